@@ -1,0 +1,30 @@
+# Two commands for a fresh machine: `make train` and `make test`. Both create .venv when it is missing.
+# torch is pinned and installed first: 2.13.0 is this machine's local CPU wheel, and an unpinned torch
+# requirement would pull several GB of CUDA packages.
+VENV   := .venv
+PYTHON := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+TORCH  := torch==2.13.0
+
+.PHONY: install train test test-all
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q $(TORCH)
+	$(PYTHON) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+# Until the RL loop exists: the objectives train a tabular toy policy (scripts/objective_demo.py).
+train: $(STAMP)
+	$(PYTHON) scripts/objective_demo.py $(ARGS)
+
+# The suite CI runs: everything but tests marked slow.
+test: $(STAMP)
+	$(PYTHON) -m pytest -q -m "not slow" $(ARGS)
+
+# Everything, slow tests included.
+test-all: $(STAMP)
+	$(PYTHON) -m pytest -q $(ARGS)
