@@ -1,0 +1,114 @@
+"""The cached cold start: SFT once per (model, task, SFT settings, seed), reused by every RL run.
+
+The cache folder is named by a hash of everything that determines the result, so a sweep of 40 RL runs
+trains it once; a file lock makes parallel jobs of one sweep wait for the first instead of training twice.
+A finished folder holds the model and tokenizer (`save_pretrained`) and `sft_info.json`; it is written
+under a temporary name and renamed, so a crash never leaves a half-written cache entry.
+
+    gspo-sft task=countdown seed=1        # run the stage alone (same config tree as gspo-train)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+import transformers
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from gspo_lab import CONFIG_DIR
+from gspo_lab.sft import SFTConfig, SFTModule
+
+log = logging.getLogger(__name__)
+CACHE_VERSION = 1  # bump when the SFT procedure changes what it produces
+INFO_FILE = "sft_info.json"
+
+
+def cache_key(model_cfg: dict, task_cfg: dict, sft: SFTConfig, seed: int) -> str:
+    """A short hash of everything that determines the cold-start checkpoint."""
+    identity = {
+        "model": model_cfg,
+        "task": task_cfg,
+        "sft": asdict(sft),
+        "seed": seed,
+        "version": CACHE_VERSION,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_dir: str | Path, accelerator="cpu"):
+    """The SFT'd model and tokenizer, trained now or loaded from the cache; plus the stage's info dict."""
+    entry = Path(cache_dir).expanduser() / key
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.parent / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel jobs of one sweep wait here for the first
+        if (entry / INFO_FILE).is_file():
+            info = json.loads((entry / INFO_FILE).read_text())
+            log.info("cold start: cache hit %s (held-out accuracy %.3f)", entry, info["accuracy"])
+            model, tokenizer = model_source.load_from(entry)
+            return model, tokenizer, {**info, "cache_hit": True, "path": str(entry)}
+        info = _train_and_save(model_source, task, sft, seed, entry, accelerator)
+    model, tokenizer = model_source.load_from(entry)
+    return model, tokenizer, {**info, "cache_hit": False, "path": str(entry)}
+
+
+def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, accelerator) -> dict[str, Any]:
+    L.seed_everything(seed, workers=True, verbose=False)
+    model, tokenizer = model_source.load()
+    module = SFTModule(model, tokenizer, task, sft, seed)
+    trainer = L.Trainer(
+        max_steps=sft.steps,
+        accelerator=accelerator,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        deterministic=True,
+    )
+    started = time.perf_counter()
+    trainer.fit(module)
+    seconds = time.perf_counter() - started
+    step, acc = module.history[-1] if module.history else (trainer.global_step, module.evaluate(trainer.global_step))
+    if acc < sft.target_accuracy:
+        log.warning("cold start ended at step %d with held-out accuracy %.3f < target %.3f", step, acc, sft.target_accuracy)
+    info = {"accuracy": acc, "steps": step, "seconds": round(seconds, 2), "history": module.history, "seed": seed}
+    partial = entry.with_name(f"{entry.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / INFO_FILE).write_text(json.dumps(info, indent=2))
+    shutil.rmtree(entry, ignore_errors=True)  # a folder without sft_info.json is not a finished entry
+    os.replace(partial, entry)  # atomic: the entry is either complete or absent
+    log.info("cold start: trained in %.1f s to held-out accuracy %.3f at step %d -> %s", seconds, acc, step, entry)
+    return info
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def main(cfg: DictConfig) -> float:
+    """gspo-sft: run (or load) the cold start of this configuration and print where it lies."""
+    task = instantiate(cfg.task)
+    sft = SFTConfig(**OmegaConf.to_container(cfg.sft, resolve=True))
+    key = cache_key(*(OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task")), sft, cfg.seed)
+    _, _, info = cold_start(instantiate(cfg.model), task, sft, cfg.seed, key, cfg.paths.cache_dir)
+    verb = "loaded from cache" if info["cache_hit"] else f"trained in {info['seconds']} s"
+    print(f"cold start {verb}: held-out accuracy {info['accuracy']:.3f} at step {info['steps']}\n{info['path']}")
+    return info["accuracy"]
+
+
+if __name__ == "__main__":
+    main()

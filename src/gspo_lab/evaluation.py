@@ -1,0 +1,35 @@
+"""Held-out accuracy: greedy (and optionally sampled) completions on a task's fixed evaluation set."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gspo_lab.rollout.generation import generate
+from gspo_lab.tasks.base import Example, Task
+
+
+def accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    examples: list[Example],
+    max_new_tokens: int,
+    batch_size: int = 256,
+    temperature: float | None = None,
+) -> float:
+    """Fraction of `examples` the task's checker accepts; greedy unless a sampling temperature is given."""
+    if not examples:
+        raise ValueError(f"{type(task).__name__}: no evaluation examples to score")
+    correct = 0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        completions = generate(
+            model,
+            tokenizer,
+            [e.prompt for e in chunk],
+            max_new_tokens,
+            temperature=temperature or 1.0,
+            greedy=temperature is None,
+        )
+        correct += sum(task.is_correct(e, text) for e, text in zip(chunk, completions.texts))
+    return correct / len(examples)

@@ -1,0 +1,70 @@
+"""Sampling completions with transformers' `generate` (KV cache), cut at EOS, with documented shapes.
+
+N prompts, P prompt positions (left-padded), C completion positions (right-padded after EOS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class Completions:
+    prompt_ids: Tensor  # [N, P] left-padded prompt tokens
+    prompt_mask: Tensor  # [N, P] 1 on prompt tokens
+    completion_ids: Tensor  # [N, C] sampled tokens, pad after EOS
+    completion_mask: Tensor  # [N, C] 1 on sampled tokens up to and including EOS
+    truncated: Tensor  # [N] bool, no EOS within max_new_tokens
+    texts: list[str]  # decoded completions, EOS and padding removed
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions counted over real tokens only, as `generate` builds them for left-padded batches. [N, L]"""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    suppress_eos: bool = False,
+) -> Completions:
+    """Generate one completion per prompt (repeat prompts for groups). No top-k truncation is applied, so
+    samples come from softmax(logits / temperature), optionally nucleus-filtered by `top_p`."""
+    device = next(model.parameters()).device
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
+    eos = tokenizer.eos_token_id
+    kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    if suppress_eos:
+        kwargs["suppress_tokens"] = [eos]
+    was_training = model.training
+    model.eval()
+    sequences = model.generate(
+        **encoded,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens if suppress_eos else 0,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+        **kwargs,
+    )
+    model.train(was_training)
+    prompt_len = encoded["input_ids"].shape[1]
+    completion_ids = sequences[:, prompt_len:]
+    is_eos = completion_ids == eos
+    # keep tokens up to and including the first EOS
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    completion_mask = (~after_eos).long()
+    completion_ids = completion_ids.masked_fill(after_eos, tokenizer.pad_token_id)
+    truncated = ~is_eos.any(-1)
+    texts = tokenizer.batch_decode(completion_ids.masked_fill(is_eos, tokenizer.pad_token_id), skip_special_tokens=True)
+    return Completions(encoded["input_ids"], encoded["attention_mask"], completion_ids, completion_mask, truncated, texts)

@@ -1,0 +1,8 @@
+"""Tasks with verifiable rewards; each owns its prompt generator and its pure reward function."""
+
+from gspo_lab.tasks.arithmetic import Arithmetic
+from gspo_lab.tasks.base import Example, Task
+from gspo_lab.tasks.countdown import Countdown
+from gspo_lab.tasks.jsonl import JsonlTask
+
+__all__ = ["Arithmetic", "Countdown", "Example", "JsonlTask", "Task"]

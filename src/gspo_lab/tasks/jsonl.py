@@ -1,0 +1,120 @@
+"""A user's data set: one `{"prompt": ..., "answer": ...}` object per line, matched exactly or numerically.
+
+Every line is checked when the task is built; a bad line fails with the file, the line number and what is
+wrong. Without `eval_path`, the held-out split is the hash split of `Task` over the file's prompts.
+
+>>> task = JsonlTask.from_records([{"prompt": "2+2=", "answer": "4.0"}], match="numeric")
+>>> example = task.records[0]
+>>> task.reward(example, "4"), task.reward(example, "4.00"), task.reward(example, "four"), task.reward(example, "1e999")
+(1.0, 1.0, 0.0, 0.0)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+from gspo_lab.tasks.base import Example, Task
+
+MATCHES = ("exact", "numeric")
+
+
+def read_jsonl(path: str | Path) -> list[Example]:
+    """Parse and check every line of `path`; blank lines are skipped."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"task.path={str(path)!r}: no such file")
+    records = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            records.append(_check(record, f"{path}:{number}"))
+    if not records:
+        raise ValueError(f"{path}: no records (expected one JSON object per line)")
+    return records
+
+
+def _check(record, where: str) -> Example:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(record).__name__}")
+    for key in ("prompt", "answer"):
+        if key not in record:
+            raise ValueError(f"{where}: missing key {key!r}")
+        if not isinstance(record[key], (str, int, float)) or isinstance(record[key], bool):
+            raise ValueError(f"{where}: {key!r} must be a string or a number, got {type(record[key]).__name__}")
+    if not str(record["prompt"]):
+        raise ValueError(f"{where}: 'prompt' is empty")
+    return Example(prompt=str(record["prompt"]), answer=str(record["answer"]).strip())
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+class JsonlTask(Task):
+    """Prompts and answers read from JSON lines.
+
+    Args:
+        path: the JSONL file.
+        eval_path: an optional separate held-out file; without it the hash split applies.
+        match: "exact" (stripped strings equal) or "numeric" (values within `tolerance`).
+        tolerance: absolute tolerance of numeric matching.
+        Other arguments: see `Task`.
+    """
+
+    name = "jsonl"
+
+    def __init__(self, path=None, eval_path=None, match="exact", tolerance=1e-6, records=None, **kwargs):
+        super().__init__(**kwargs)
+        if match not in MATCHES:
+            raise ValueError(f"task.match={match!r} must be one of {MATCHES}")
+        if records is None and path is None:
+            raise ValueError("task.path is not set: task=jsonl needs task.path=/path/to/data.jsonl")
+        self.match, self.tolerance = match, tolerance
+        self.records = records if records is not None else read_jsonl(path)
+        self.eval_records = read_jsonl(eval_path) if eval_path is not None else None
+
+    @classmethod
+    def from_records(cls, records: list[dict], **kwargs) -> JsonlTask:
+        return cls(records=[_check(r, f"record {i}") for i, r in enumerate(records)], **kwargs)
+
+    def pool(self, split: str) -> list[Example]:
+        if self.eval_records is not None:
+            return self.eval_records if split == "eval" else self.records
+        return [r for r in self.records if self.split_of(r.prompt) == split]
+
+    def sample(self, rng: random.Random) -> Example:
+        return rng.choice(self.records)
+
+    def examples(self, split: str, n: int, seed: int) -> list[Example]:
+        pool = self.pool(split) if split in ("train", "eval") else super().examples(split, n, seed)
+        if len(pool) < n:
+            raise ValueError(f"task=jsonl: asked for {n} {split!r} examples but the data holds {len(pool)}")
+        return random.Random(f"{self.name}/{split}/{seed}").sample(pool, n)
+
+    def eval_examples(self) -> list[Example]:
+        pool = self.pool("eval")
+        return self.examples("eval", min(self.eval_size, len(pool)), self.eval_seed) if pool else []
+
+    def demonstration(self, example: Example) -> str:
+        return example.answer
+
+    def is_correct(self, example: Example, completion: str) -> bool:
+        if self.match == "exact":
+            return completion.strip() == example.answer
+        got, want = _number(completion), _number(example.answer)
+        return got is not None and want is not None and abs(got - want) <= self.tolerance
+
+    def is_well_formed(self, example: Example, completion: str) -> bool:
+        return bool(completion.strip()) if self.match == "exact" else _number(completion) is not None

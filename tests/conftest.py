@@ -1,0 +1,49 @@
+"""Shared fixtures: the Hydra config composed once, and tiny-model overrides that keep tests fast."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+from gspo_lab import CONFIG_DIR
+
+os.environ.setdefault("WANDB_MODE", "offline")
+
+# a one-layer tiny MoE: same classes as the default, a fraction of the time
+TINY = ["model.config.num_hidden_layers=1", "model.config.hidden_size=64", "model.config.moe_intermediate_size=32"]
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=overrides or [], return_hydra_config=True)
+
+
+@pytest.fixture(scope="session")
+def compose():
+    """compose(overrides) -> the root config with those Hydra overrides."""
+    return compose_config
+
+
+@pytest.fixture(scope="session")
+def tiny() -> list[str]:
+    """Overrides that shrink the default model to one small layer."""
+    return list(TINY)
+
+
+@pytest.fixture(scope="session")
+def base_cfg() -> DictConfig:
+    """The default config, composed once per session; tests copy it before changing it."""
+    return compose_config()
+
+
+@pytest.fixture
+def cfg(base_cfg, tmp_path) -> DictConfig:
+    """A copy of the default config whose outputs and caches live in this test's tmp_path."""
+    cfg = base_cfg.copy()
+    with open_dict(cfg):
+        cfg.paths.cache_dir = str(tmp_path / "cache")
+    return cfg

@@ -1,0 +1,90 @@
+"""Every model config builds a real transformers model that runs a forward and a generate; the char
+tokenizer round-trips; model=hf loads a checkpoint this test saved."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+
+from gspo_lab import CONFIG_DIR
+from gspo_lab.models import PretrainedModel, TinyModel, char_tokenizer
+from gspo_lab.rollout import generate
+
+TINY_MODELS = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("tiny_*.yaml"))
+EXPECTED_CLASS = {
+    "tiny_moe": "Qwen3MoeForCausalLM",
+    "tiny_dense": "Qwen3ForCausalLM",
+    "tiny_mixtral": "MixtralForCausalLM",
+    "tiny_olmoe": "OlmoeForCausalLM",
+    "tiny_qwen2_moe": "Qwen2MoeForCausalLM",
+}
+
+
+def test_every_tiny_config_is_tested():
+    assert TINY_MODELS == sorted(EXPECTED_CLASS)
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_tiny_model_forward_and_generate(name):
+    torch.manual_seed(0)
+    model, tokenizer = instantiate(OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml")).load()
+    assert type(model).__name__ == EXPECTED_CLASS[name]
+    assert 0.9e6 < sum(p.numel() for p in model.parameters()) < 2.2e6  # the tiny sizes: about 1-2M
+    batch = tokenizer(["123+456=", "1+2="], return_tensors="pt", padding=True)
+    logits = model(**batch).logits
+    assert logits.shape == (2, batch["input_ids"].shape[1], len(tokenizer)) and torch.isfinite(logits).all()
+    out = generate(model, tokenizer, ["123+456=", "1+2="], max_new_tokens=5)
+    assert out.completion_ids.shape[0] == 2 and out.completion_ids.shape[1] <= 5
+    assert out.completion_mask.sum() >= 2 and len(out.texts) == 2
+
+
+def test_char_tokenizer_round_trip_and_reload(tmp_path):
+    tok = char_tokenizer()
+    text = "nums 18 20 5 target 2: (20-18)*5/5"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    tok.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert reloaded(text)["input_ids"] == ids and reloaded.padding_side == "left"
+    assert reloaded.pad_token_id == tok.pad_token_id and reloaded.eos_token_id == tok.eos_token_id
+
+
+def test_left_padding_leaves_the_last_logits_unchanged():
+    torch.manual_seed(0)
+    model, tok = TinyModel(arch="qwen3", config={"hidden_size": 32, "num_hidden_layers": 1,
+                                                 "num_attention_heads": 2, "num_key_value_heads": 1,
+                                                 "head_dim": 16, "intermediate_size": 64}).load()
+    alone = generate(model, tok, ["1+2="], 4, greedy=True)
+    padded = generate(model, tok, ["1+2=", "123456+789="], 4, greedy=True)
+    assert alone.texts[0] == padded.texts[0]
+
+
+def test_hf_loads_a_checkpoint_this_test_saved(tmp_path):
+    torch.manual_seed(0)
+    model, tok = instantiate(OmegaConf.load(Path(CONFIG_DIR) / "model" / "tiny_moe.yaml")).load()
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    cfg = OmegaConf.load(Path(CONFIG_DIR) / "model" / "hf.yaml")
+    cfg.path = str(tmp_path / "ckpt")
+    loaded, loaded_tok = instantiate(cfg).load()
+    assert type(loaded).__name__ == "Qwen3MoeForCausalLM"
+    batch = tok(["12+3="], return_tensors="pt")
+    assert torch.equal(loaded(**batch).logits, model(**batch).logits)
+    assert loaded_tok("12+3=")["input_ids"] == tok("12+3=")["input_ids"]
+    bf16, _ = PretrainedModel(path=str(tmp_path / "ckpt"), dtype="bfloat16", gradient_checkpointing=True).load()
+    assert next(bf16.parameters()).dtype == torch.bfloat16 and any(getattr(m, "gradient_checkpointing", False) for m in bf16.modules())
+
+
+def test_model_errors_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"model\.path=.*missing.*no config\.json"):
+        PretrainedModel(path=str(tmp_path / "missing")).load()
+    with pytest.raises(ValueError, match="model.path is not set"):
+        PretrainedModel().load()
+    with pytest.raises(ValueError, match=r"model\.arch='nope'"):
+        TinyModel(arch="nope").load()
+    with pytest.raises(ValueError, match=r"model\.dtype='float8'"):
+        TinyModel(arch="qwen3", dtype="float8").load()

@@ -1,0 +1,56 @@
+import json
+
+import pytest
+
+from gspo_lab.tasks import JsonlTask
+
+
+def write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_reads_records_and_scores_exact_and_numeric(tmp_path):
+    rows = [json.dumps({"prompt": f"q{i}:", "answer": str(i)}) for i in range(40)]
+    path = write(tmp_path / "data.jsonl", rows)
+    task = JsonlTask(path=str(path), match="numeric")
+    example = next(e for e in task.records if e.prompt == "q7:")
+    assert task.reward(example, "7") == 1.0 and task.reward(example, " 7.0 ") == 1.0
+    assert task.reward(example, "8") == 0.0 and task.reward(example, "nan") == 0.0
+    exact = JsonlTask(path=str(path))
+    assert exact.reward(example, "7.0") == 0.0 and exact.reward(example, "7") == 1.0
+    train, held_out = task.pool("train"), task.pool("eval")
+    assert len(train) + len(held_out) == 40 and not {e.prompt for e in train} & {e.prompt for e in held_out}
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ('{"prompt": "a", "answer": ', "not valid JSON"),
+        ('{"prompt": "a"}', "missing key 'answer'"),
+        ('["a", "b"]', "expected a JSON object"),
+        ('{"prompt": "a", "answer": [1]}', "'answer' must be a string or a number"),
+        ('{"prompt": "", "answer": "1"}', "'prompt' is empty"),
+    ],
+)
+def test_bad_line_names_file_line_and_problem(tmp_path, bad, message):
+    path = write(tmp_path / "bad.jsonl", ['{"prompt": "1+1=", "answer": "2"}', "", bad])
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:3: .*{message}"):
+        JsonlTask(path=str(path))
+
+
+def test_missing_file_and_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        JsonlTask(path=str(tmp_path / "nope.jsonl"))
+    with pytest.raises(ValueError, match="task.path is not set"):
+        JsonlTask()
+
+
+def test_separate_eval_file(tmp_path):
+    train = write(tmp_path / "train.jsonl", ['{"prompt": "a", "answer": 1}', '{"prompt": "b", "answer": 2}'])
+    held = write(tmp_path / "eval.jsonl", ['{"prompt": "c", "answer": 3}'])
+    task = JsonlTask(path=str(train), eval_path=str(held), eval_size=5)
+    assert [e.prompt for e in task.eval_examples()] == ["c"]
+    assert sorted(e.prompt for e in task.examples("train", 2, seed=0)) == ["a", "b"]
+    with pytest.raises(ValueError, match="asked for 3 'train' examples but the data holds 2"):
+        task.examples("train", 3, seed=0)

@@ -1,0 +1,49 @@
+"""The cached cold start: a miss trains and saves, a hit loads the same weights without training, and
+every setting that determines the result changes the cache key."""
+
+import json
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from gspo_lab.cold_start import INFO_FILE, cache_key, cold_start
+from gspo_lab.sft import SFTConfig
+
+FAST_SFT = SFTConfig(steps=3, batch_size=8, eval_every=2, eval_size=8, max_new_tokens=4)
+
+
+def test_miss_trains_then_hit_loads_identical_weights(tmp_path, compose, tiny):
+    cfg = compose(tiny)
+    task = instantiate(cfg.task)
+    model_source = instantiate(cfg.model)
+    fresh, _ = model_source.load()
+    model, tok, info = cold_start(model_source, task, FAST_SFT, 0, "key0", tmp_path)
+    assert not info["cache_hit"] and info["steps"] == 3 and (tmp_path / "key0" / INFO_FILE).is_file()
+    assert [step for step, _ in info["history"]] == [2, 3]  # eval_every=2, and at the last step
+    assert not torch.equal(fresh.lm_head.weight, model.lm_head.weight)  # training moved the weights
+    again, tok2, info2 = cold_start(model_source, task, FAST_SFT, 0, "key0", tmp_path)
+    assert info2["cache_hit"] and info2["accuracy"] == info["accuracy"]
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert tok2("12+3=")["input_ids"] == tok("12+3=")["input_ids"]
+    assert json.loads((tmp_path / "key0" / INFO_FILE).read_text())["seed"] == 0
+    assert not list(tmp_path.glob("*.partial-*"))  # nothing half-written left behind
+
+
+def test_cache_key_covers_model_task_sft_and_seed(base_cfg):
+    cfg = base_cfg
+    model, task = (OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task"))
+    base = cache_key(model, task, FAST_SFT, 0)
+    assert base == cache_key(model, task, FAST_SFT, 0)
+    assert base != cache_key(model, task, FAST_SFT, 1)
+    assert base != cache_key(model, task, SFTConfig(steps=4, batch_size=8, eval_every=2, eval_size=8, max_new_tokens=4), 0)
+    assert base != cache_key(model, {**task, "digits": 2}, FAST_SFT, 0)
+    assert base != cache_key({**model, "arch": "qwen3"}, task, FAST_SFT, 0)
+
+
+@pytest.mark.parametrize("key, value", [("steps", 0), ("lr", -1.0), ("target_accuracy", 1.5), ("eval_every", 0)])
+def test_bad_sft_settings_name_key_value_and_rule(key, value):
+    with pytest.raises(ValueError, match=rf"sft\.{key}={value}"):
+        SFTConfig(**{key: value})
