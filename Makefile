@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# Until the RL loop exists: the objectives train a tabular toy policy (scripts/objective_demo.py).
+# Runs the default experiment (GSPO, tiny MoE, 3-digit addition, CPU); Hydra overrides via ARGS="seed=1".
 train: $(STAMP)
-	$(PYTHON) scripts/objective_demo.py $(ARGS)
+	$(VENV)/bin/gspo-train $(ARGS)
 
 # The suite CI runs: everything but tests marked slow.
 test: $(STAMP)

@@ -19,7 +19,7 @@ TINY = ["model.config.num_hidden_layers=1", "model.config.hidden_size=64", "mode
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=overrides or [], return_hydra_config=True)
+        return hydra_compose(config_name="train", overrides=overrides or [], return_hydra_config=False)
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +32,27 @@ def compose():
 def tiny() -> list[str]:
     """Overrides that shrink the default model to one small layer."""
     return list(TINY)
+
+
+@pytest.fixture(scope="session")
+def cold_start_cache(tmp_path_factory) -> str:
+    """A cache dir shared by the session's RL tests, so their short cold start is trained once."""
+    return str(tmp_path_factory.mktemp("sft-cache"))
+
+
+@pytest.fixture
+def rl_overrides(tmp_path, tiny, cold_start_cache) -> list[str]:
+    """A fast RL run: the one-layer model after 60 SFT steps, 4 prompts x 4 completions, 2 mini-batches,
+    a format reward (so groups have reward variance), outputs in this test's tmp_path."""
+    return tiny + [
+        f"paths.output_dir={tmp_path / 'run'}",
+        f"paths.cache_dir={cold_start_cache}",
+        "sft.steps=60", "sft.eval_every=60", "sft.eval_size=16", "sft.target_accuracy=1.0", "sft.batch_size=64",
+        "task.format_weight=0.5", "task.eval_size=32",
+        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
+        "train.steps=2", "train.minibatches=2", "train.eval_every=1", "train.lr=1e-3",
+        "callbacks.progress.refresh_rate=0",
+    ]
 
 
 @pytest.fixture(scope="session")

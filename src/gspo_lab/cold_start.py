@@ -29,6 +29,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab import CONFIG_DIR
+from gspo_lab.loggers import quiet_libraries
 from gspo_lab.sft import SFTConfig, SFTModule
 
 log = logging.getLogger(__name__)
@@ -98,13 +99,27 @@ def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, 
     return info
 
 
+def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]:
+    """The run's starting policy: the cached cold start when `sft.enabled`, else the model as built."""
+    model_source = instantiate(cfg.model)
+    sft = SFTConfig(**OmegaConf.to_container(cfg.sft, resolve=True))
+    if not sft.enabled:
+        L.seed_everything(cfg.seed, verbose=False)
+        model, tokenizer = model_source.load()
+        return model, tokenizer, {"enabled": False}
+    key = cache_key(*(OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task")), sft, cfg.seed)
+    accelerator = cfg.trainer.get("accelerator", "cpu") if "trainer" in cfg else "cpu"
+    model, tokenizer, info = cold_start(model_source, task, sft, cfg.seed, key, cfg.paths.cache_dir, accelerator)
+    return model, tokenizer, {"enabled": True, **info}
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float:
     """gspo-sft: run (or load) the cold start of this configuration and print where it lies."""
-    task = instantiate(cfg.task)
-    sft = SFTConfig(**OmegaConf.to_container(cfg.sft, resolve=True))
-    key = cache_key(*(OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task")), sft, cfg.seed)
-    _, _, info = cold_start(instantiate(cfg.model), task, sft, cfg.seed, key, cfg.paths.cache_dir)
+    quiet_libraries()
+    _, _, info = policy_from_config(cfg, instantiate(cfg.task))
+    if not info["enabled"]:
+        raise SystemExit("gspo-sft: sft.enabled=false, so there is no cold start to run")
     verb = "loaded from cache" if info["cache_hit"] else f"trained in {info['seconds']} s"
     print(f"cold start {verb}: held-out accuracy {info['accuracy']:.3f} at step {info['steps']}\n{info['path']}")
     return info["accuracy"]

@@ -1,5 +1,8 @@
-"""Rollout: generation into documented tensors; no loss logic here."""
+"""Rollout: generation into documented tensors, log-probs, and the prompt schedule; no loss logic here."""
 
+from gspo_lab.rollout.batch import RolloutBatch
 from gspo_lab.rollout.generation import Completions, generate, position_ids
+from gspo_lab.rollout.logprobs import token_logprobs
+from gspo_lab.rollout.prompts import PromptSchedule, StepTicks
 
-__all__ = ["Completions", "generate", "position_ids"]
+__all__ = ["Completions", "PromptSchedule", "RolloutBatch", "StepTicks", "generate", "position_ids", "token_logprobs"]

@@ -20,6 +20,7 @@ class Completions:
     completion_mask: Tensor  # [N, C] 1 on sampled tokens up to and including EOS
     truncated: Tensor  # [N] bool, no EOS within max_new_tokens
     texts: list[str]  # decoded completions, EOS and padding removed
+    logprobs: Tensor | None = None  # [N, C] log-probs of the sampled tokens (return_logprobs=True only)
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -37,9 +38,12 @@ def generate(
     top_p: float = 1.0,
     greedy: bool = False,
     suppress_eos: bool = False,
+    return_logprobs: bool = False,
 ) -> Completions:
     """Generate one completion per prompt (repeat prompts for groups). No top-k truncation is applied, so
-    samples come from softmax(logits / temperature), optionally nucleus-filtered by `top_p`."""
+    samples come from softmax(logits / temperature), optionally nucleus-filtered by `top_p`. With
+    `return_logprobs`, log softmax(logits / temperature) at each sampled token is returned as well (the
+    un-truncated distribution, as training computes it)."""
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
     eos = tokenizer.eos_token_id
@@ -48,8 +52,10 @@ def generate(
         kwargs["suppress_tokens"] = [eos]
     was_training = model.training
     model.eval()
-    sequences = model.generate(
+    output = model.generate(
         **encoded,
+        return_dict_in_generate=True,
+        output_logits=return_logprobs,
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens if suppress_eos else 0,
         eos_token_id=eos,
@@ -59,7 +65,11 @@ def generate(
     )
     model.train(was_training)
     prompt_len = encoded["input_ids"].shape[1]
-    completion_ids = sequences[:, prompt_len:]
+    completion_ids = output.sequences[:, prompt_len:]
+    logprobs = None
+    if return_logprobs:
+        logits = torch.stack(output.logits, dim=1).float() / temperature  # [N, C, V] raw logits per step
+        logprobs = logits.log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
     is_eos = completion_ids == eos
     # keep tokens up to and including the first EOS
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
@@ -67,4 +77,6 @@ def generate(
     completion_ids = completion_ids.masked_fill(after_eos, tokenizer.pad_token_id)
     truncated = ~is_eos.any(-1)
     texts = tokenizer.batch_decode(completion_ids.masked_fill(is_eos, tokenizer.pad_token_id), skip_special_tokens=True)
-    return Completions(encoded["input_ids"], encoded["attention_mask"], completion_ids, completion_mask, truncated, texts)
+    return Completions(
+        encoded["input_ids"], encoded["attention_mask"], completion_ids, completion_mask, truncated, texts, logprobs
+    )

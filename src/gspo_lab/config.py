@@ -1,0 +1,128 @@
+"""Validated settings of one RL run: what `rollout:`, `train:` and `routing:` in the Hydra config build.
+
+Each dataclass checks its values in `__post_init__` and names the key, the value and the rule, so a typo
+fails before any model is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+REPLAY_MODES = ("off", "r2", "r3")
+
+
+def _require(ok: bool, key: str, value, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{key}={value!r} is invalid: {rule}")
+
+
+def _positive_int(key: str, value, minimum: int = 1) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, key, value,
+             f"must be an integer >= {minimum}")
+
+
+@dataclass
+class RolloutConfig:
+    """How completions are sampled each RL step.
+
+    Args:
+        prompts_per_step: prompts per RL step (across all ranks).
+        group_size: completions per prompt; advantages are relative within a group.
+        max_new_tokens: generation budget; completions without EOS by then are truncated.
+        temperature: sampling temperature, applied identically when log-probs are computed.
+        top_p: nucleus sampling threshold (1 disables it).
+        mask_truncated: leave truncated completions out of the loss.
+        logprobs_from_generation: take old log-probs from generate's logits instead of a second forward.
+        suppress_eos: never sample EOS, so every completion has exactly max_new_tokens (benchmarks).
+    """
+
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    mask_truncated: bool = False
+    logprobs_from_generation: bool = False
+    suppress_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _positive_int("rollout.prompts_per_step", self.prompts_per_step)
+        _positive_int("rollout.group_size", self.group_size, minimum=2)
+        _positive_int("rollout.max_new_tokens", self.max_new_tokens)
+        _require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0,
+                 "rollout.temperature", self.temperature, "must be a finite number > 0")
+        _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "rollout.top_p", self.top_p,
+                 "must satisfy 0 < top_p <= 1")
+
+    @property
+    def batch_size(self) -> int:
+        """Completions per RL step."""
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation side of an RL run.
+
+    Args:
+        steps: RL steps (each: one rollout, then `minibatches` optimizer steps).
+        minibatches: optimizer steps per rollout batch; the first is on-policy, the rest off-policy.
+        lr: learning rate, read by the optimizer config.
+        grad_clip: max gradient norm; 0 disables clipping.
+        shuffle_rewards: negative control: shuffle rewards across the rollout batch before advantages.
+        eval_every: RL steps between held-out evaluations (also at step 0 and after the last step).
+        ckpt_every: RL steps between checkpoints (last.ckpt is always kept).
+        logprob_chunk_rows: rows per chunk of the log-prob computation (bounds its memory).
+        max_consecutive_skips: stop the run after this many updates in a row skipped for NaN/Inf.
+    """
+
+    steps: int = 200
+    minibatches: int = 4
+    lr: float = 3e-5
+    grad_clip: float = 1.0
+    shuffle_rewards: bool = False
+    eval_every: int = 25
+    ckpt_every: int = 50
+    logprob_chunk_rows: int = 32
+    max_consecutive_skips: int = 5
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "minibatches", "eval_every", "ckpt_every", "logprob_chunk_rows", "max_consecutive_skips"):
+            _positive_int(f"train.{key}", getattr(self, key))
+        _require(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, "train.lr", self.lr,
+                 "must be a finite number > 0")
+        _require(isinstance(self.grad_clip, (int, float)) and self.grad_clip >= 0, "train.grad_clip", self.grad_clip,
+                 "must be >= 0 (0 disables clipping)")
+
+    def check_against(self, rollout: RolloutConfig, world_size: int = 1) -> None:
+        """Rules that involve both configs: mini-batches and ranks must divide the rollout batch."""
+        _require(rollout.batch_size % self.minibatches == 0, "train.minibatches", self.minibatches,
+                 f"must divide the rollout batch prompts_per_step x group_size = {rollout.batch_size}")
+        _require(rollout.prompts_per_step % world_size == 0, "rollout.prompts_per_step", rollout.prompts_per_step,
+                 f"must be divisible by the number of processes ({world_size}) so each rank holds whole groups")
+        per_rank = rollout.batch_size // world_size
+        _require(per_rank % self.minibatches == 0, "train.minibatches", self.minibatches,
+                 f"must divide each rank's rollout batch ({per_rank})")
+
+
+@dataclass
+class RoutingConfig:
+    """Routing replay for MoE models (GSPO paper section 5.3).
+
+    Args:
+        replay: "off"; "r2" records experts in the old-policy forward and replays them in training forwards;
+            "r3" records them during generation and replays them in both. YAML's bare `off` (false) means "off".
+    """
+
+    replay: str = "off"
+
+    def __post_init__(self) -> None:
+        if self.replay is False:
+            self.replay = "off"
+        _require(self.replay in REPLAY_MODES, "routing.replay", self.replay, f"must be one of {list(REPLAY_MODES)}")
+
+    def check_against(self, rollout: RolloutConfig) -> None:
+        _require(not (self.replay == "r2" and rollout.logprobs_from_generation), "routing.replay", self.replay,
+                 "r2 records experts in the old-policy forward, which rollout.logprobs_from_generation=true skips; "
+                 "use r3 or turn logprobs_from_generation off")

@@ -1,0 +1,297 @@
+"""The LightningModule that runs every algorithm: rollout -> reward -> advantages -> objective -> updates.
+
+One RL step is one `training_step`:
+1. this rank's share of the step's prompts, `group_size` completions each (transformers `generate`);
+2. rewards from the task, group-relative advantages;
+3. old-policy log-probs from a no-grad forward (or from generate's own logits);
+4. `train.minibatches` shuffled mini-batches, one optimizer step each, with gradient clipping;
+5. metrics reduced across ranks and written once, with `step` = the RL step.
+The algorithm only chooses the objective (and the routing replay mode). Randomness is re-seeded from
+(seed, step, rank) at the start of every step, so a run resumed from a checkpoint, or another algorithm on
+the same seed, draws the same prompts and (while the weights agree) the same samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import lightning as L
+import torch
+from torch.distributed import ReduceOp
+from torch.utils.data import DataLoader
+
+from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
+from gspo_lab.evaluation import accuracy
+from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective, frac_zero_std
+from gspo_lab.objectives.base import masked_mean
+from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, generate, token_logprobs
+from gspo_lab.routing import RoutingReplay
+from gspo_lab.tasks.base import Example, Task
+
+log = logging.getLogger(__name__)
+
+
+class TooManySkippedUpdates(RuntimeError):
+    """Raised after `train.max_consecutive_skips` updates in a row were skipped for NaN/Inf."""
+
+
+class RLModule(L.LightningModule):
+    """Group-based policy optimisation of a causal LM, with manual optimisation.
+
+    Args:
+        model, tokenizer: the policy (a transformers causal LM) and its tokenizer.
+        task: prompts and the reward function.
+        objective: GSPO, GSPOToken or GRPO (anything with the `Objective` call signature).
+        advantage: rewards [B] -> advantages [B], e.g. `GroupAdvantage`.
+        optimizer: a partial taking the parameters, e.g. `functools.partial(torch.optim.AdamW, lr=3e-5)`.
+        rollout, train, routing: validated settings (gspo_lab.config).
+        seed: the run's seed.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        task: Task,
+        objective: Objective,
+        advantage: GroupAdvantage,
+        optimizer: Callable,
+        rollout: RolloutConfig,
+        train: TrainConfig,
+        routing: RoutingConfig,
+        seed: int,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model, self.tokenizer, self.task = model, tokenizer, task
+        self.model.train()  # from_pretrained returns eval mode; old and new log-probs use the same mode
+        self.objective, self.advantage, self.optimizer_factory = objective, advantage, optimizer
+        self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
+        self.routing = RoutingReplay(model, routing.replay, record_generation=rollout.logprobs_from_generation)
+        self.prompts = PromptSchedule(task, rollout.prompts_per_step, seed)
+        self.eval_set = task.eval_examples()
+        self.rl_step = 0  # RL steps completed; saved in checkpoints
+        self.history: list[dict[str, float]] = []  # every logged row (rank 0's view), saved in checkpoints
+        self.consecutive_skips = 0
+        self.reward_errors = 0
+
+    # ---- Lightning plumbing -------------------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        return self.optimizer_factory(self.model.parameters())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(StepTicks(self.train_cfg.steps), batch_size=None)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rl_step"] = self.rl_step
+        checkpoint["history"] = self.history
+        checkpoint["consecutive_skips"] = self.consecutive_skips
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.rl_step = checkpoint["rl_step"]
+        self.history = [row for row in checkpoint["history"] if row["step"] < self.rl_step]
+        self.consecutive_skips = checkpoint["consecutive_skips"]
+
+    # ---- one RL step --------------------------------------------------------------------------------------
+
+    def training_step(self, tick: int, tick_idx: int) -> None:
+        if self.rl_step >= self.train_cfg.steps:  # resumed from the final checkpoint: nothing left
+            self.trainer.should_stop = True
+            return
+        step = self.rl_step
+        torch.manual_seed(self.seed * 1_000_003 + step * 1_009 + self.global_rank)
+        metrics: dict[str, float] = {}
+        if step % self.train_cfg.eval_every == 0:
+            metrics["eval/accuracy"] = self.evaluate()
+        started = time.perf_counter()
+        batch = self.collect_rollout(step)
+        rolled = time.perf_counter()
+        metrics.update(self.update(batch))
+        updated = time.perf_counter()
+        tokens = float(batch.attention_mask[:, -batch.completion_len :].sum())
+        metrics.update(self.rollout_metrics(batch))
+        metrics.update({
+            "time/rollout_s": rolled - started,
+            "time/update_s": updated - rolled,
+            "throughput/tokens_per_s": tokens / (updated - started),
+            "lr": self.optimizers().param_groups[0]["lr"],
+        })
+        self.rl_step += 1
+        self.log_step(step, metrics)
+        if self.rl_step == self.train_cfg.steps:
+            self.log_step(self.rl_step, {"eval/accuracy": self.evaluate()})
+            self.trainer.should_stop = True
+
+    def collect_rollout(self, step: int) -> RolloutBatch:
+        cfg = self.rollout_cfg
+        examples = self.prompts.for_step(step, self.global_rank, self.trainer.world_size)
+        grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
+        with self.routing.generation():
+            completions = generate(
+                self.model, self.tokenizer, [e.prompt for e in grouped], cfg.max_new_tokens,
+                temperature=cfg.temperature, top_p=cfg.top_p, suppress_eos=cfg.suppress_eos,
+                return_logprobs=cfg.logprobs_from_generation,
+            )
+        rewards = torch.tensor([self.score(e, text) for e, text in zip(grouped, completions.texts)])
+        if self.train_cfg.shuffle_rewards:  # negative control: rewards no longer belong to their completions
+            rewards = rewards[torch.randperm(len(rewards))]
+        loss_mask = completions.completion_mask
+        if cfg.mask_truncated:
+            loss_mask = loss_mask * (~completions.truncated)[:, None]
+        input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)
+        batch = RolloutBatch(
+            input_ids=input_ids,
+            attention_mask=torch.cat([completions.prompt_mask, completions.completion_mask], 1),
+            loss_mask=loss_mask,
+            old_logp=completions.logprobs,
+            rewards=rewards,
+            advantages=self.advantage(rewards, cfg.group_size),
+            truncated=completions.truncated,
+            routing_trace=self.routing.generation_trace(completions.prompt_ids.shape[1], input_ids.shape[1]),
+        ).to(self.device)
+        if batch.old_logp is None:
+            with torch.no_grad(), self.routing.old_policy(batch) as trace:
+                batch.old_logp, _ = self.logprobs(batch)
+            batch.routing_trace = trace[0]
+        return batch
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        optimizer = self.optimizers()
+        collected: list[dict[str, float]] = []
+        skipped = 0
+        for rows in torch.randperm(len(batch.rewards)).chunk(self.train_cfg.minibatches):
+            minibatch = batch.rows(rows.to(self.device))
+            out, entropy = self.forward_backward(minibatch)
+            if out is None:
+                skipped += self.skip_update("non-finite loss")
+                continue
+            grad_norm = self.grad_norm()
+            if not torch.isfinite(grad_norm):  # identical on every rank: gradients are all-reduced
+                optimizer.zero_grad()
+                skipped += self.skip_update(f"gradient norm {grad_norm.item()}")
+                continue
+            self.consecutive_skips = 0
+            if self.train_cfg.grad_clip > 0:
+                self.clip_gradients(optimizer, gradient_clip_val=self.train_cfg.grad_clip, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad()
+            collected.append({
+                **{k: v.item() for k, v in out.metrics.items()},
+                "entropy": masked_mean(entropy, minibatch.loss_mask.to(entropy.dtype)).item(),
+                "grad_norm": grad_norm.item(),
+            })
+        metrics = combine(collected)
+        metrics["train/skipped_updates"] = float(skipped)
+        metrics.update(self.routing.diagnostics(batch, self.logprobs))
+        return metrics
+
+    # ---- pieces -------------------------------------------------------------------------------------------
+
+    def forward_backward(self, minibatch: RolloutBatch):
+        """Objective and gradient of one mini-batch; (None, None) on every rank when any rank's loss is
+        non-finite. Backward runs inside the replay context, so recomputed forwards replay too."""
+        with self.routing.training(minibatch):
+            logp, entropy = self.logprobs(minibatch)
+            try:
+                out = self.objective(logp, minibatch.old_logp, minibatch.advantages, minibatch.loss_mask)
+            except NonFiniteLossError as error:
+                log.warning("RL step %d: %s", self.rl_step, error)
+                out = None
+            if self.trainer.strategy.reduce_boolean_decision(out is None, all=False):  # any rank -> all skip
+                return None, None
+            self.manual_backward(out.loss)
+        return out, entropy
+
+    def logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(
+            self.model, batch.input_ids, batch.attention_mask, batch.completion_len,
+            self.rollout_cfg.temperature, self.train_cfg.logprob_chunk_rows,
+        )
+
+    def score(self, example: Example, completion: str) -> float:
+        """The task's reward; a reward function that raises is reported, counted and scored 0."""
+        try:
+            return float(self.task.reward(example, completion))
+        except Exception as error:  # noqa: BLE001 - a user's reward function may raise anything
+            self.reward_errors += 1
+            log.warning("reward raised %r on prompt %r, completion %r; scored 0", error, example.prompt, completion)
+            return 0.0
+
+    def grad_norm(self) -> torch.Tensor:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+
+    def skip_update(self, reason: str) -> int:
+        """Count a skipped update; too many in a row stop the run with a clear message."""
+        self.consecutive_skips += 1
+        log.warning("RL step %d: update skipped (%s)", self.rl_step, reason)
+        if self.consecutive_skips >= self.train_cfg.max_consecutive_skips:
+            raise TooManySkippedUpdates(
+                f"{self.consecutive_skips} consecutive updates were skipped for NaN/Inf loss or gradients "
+                f"(train.max_consecutive_skips={self.train_cfg.max_consecutive_skips}); stopping at RL step "
+                f"{self.rl_step}. Lower train.lr or set objective.log_ratio_clamp."
+            )
+        return 1
+
+    def rollout_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        lengths = batch.attention_mask[:, -batch.completion_len :].sum(-1).float()
+        return {
+            "reward/mean": batch.rewards.mean().item(),
+            "reward/std": batch.rewards.std(unbiased=False).item(),
+            "reward/frac_zero_std": frac_zero_std(batch.rewards, self.rollout_cfg.group_size).item(),
+            "reward/errors": float(self.reward_errors),
+            "completion/len_mean": lengths.mean().item(),
+            "completion/truncated_frac": batch.truncated.float().mean().item(),
+        }
+
+    def evaluate(self) -> float:
+        """Greedy held-out accuracy; each rank scores its share of the fixed evaluation set."""
+        shard = self.eval_set[self.global_rank :: self.trainer.world_size]
+        correct = 0.0
+        if shard:
+            correct = len(shard) * accuracy(self.model, self.tokenizer, self.task, shard, self.rollout_cfg.max_new_tokens)
+        total = self.trainer.strategy.reduce(torch.tensor(correct, device=self.device), reduce_op="sum")
+        return float(total) / len(self.eval_set)
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Reduce across ranks, write one row to every logger, and show the headline on the progress bar."""
+        metrics = self.reduce_across_ranks(metrics)
+        self.history.append({"step": step, **metrics})
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=step)
+        shown = {"reward": "reward/mean", "clip": "clip/frac", "acc": "eval/accuracy"}
+        for name, key in shown.items():
+            if key in metrics:
+                self.log(name, metrics[key], prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+    def reduce_across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.trainer.world_size == 1:
+            return metrics
+        keys = sorted(metrics)  # the same keys on every rank
+        values = torch.tensor([metrics[k] for k in keys], device=self.device, dtype=torch.float64)
+        reduced = {
+            "mean": self.trainer.strategy.reduce(values.clone(), reduce_op="mean"),
+            "max": self.trainer.strategy.reduce(values.clone(), reduce_op=ReduceOp.MAX),
+            "min": self.trainer.strategy.reduce(values.clone(), reduce_op=ReduceOp.MIN),
+        }
+        return {k: reduced[reduction(k)][i].item() for i, k in enumerate(keys)}
+
+
+def reduction(key: str) -> str:
+    """How a metric combines across mini-batches and ranks: ratio/max by max, ratio/min by min, else mean."""
+    return "max" if key.endswith("/max") else "min" if key.endswith("/min") else "mean"
+
+
+def combine(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Per-mini-batch metrics -> one value each (see `reduction`)."""
+    if not rows:
+        return {}
+    combined = {}
+    for key in rows[0]:
+        values = [row[key] for row in rows]
+        kind = reduction(key)
+        combined[key] = max(values) if kind == "max" else min(values) if kind == "min" else sum(values) / len(values)
+    return combined

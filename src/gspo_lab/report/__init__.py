@@ -1,0 +1,1 @@
+"""Reading run dirs, plots and tables."""

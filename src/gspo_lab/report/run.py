@@ -1,0 +1,74 @@
+"""Reading and writing one run dir: metrics.csv rows, run_info.json, summary.json, the reward-curve PNG."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+LIBRARIES = ("torch", "transformers", "lightning", "hydra-core", "omegaconf", "wandb", "bitsandbytes", "tokenizers")
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
+    """metrics.csv as a list of rows, numbers parsed, empty cells as NaN, sorted by step."""
+    path = Path(run_dir) / "metrics.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics.csv (the run has not logged a step yet)")
+    with path.open(newline="") as file:
+        rows = [{k: float(v) if v != "" else math.nan for k, v in row.items()} for row in csv.DictReader(file)]
+    return sorted(rows, key=lambda row: row["step"])
+
+
+def series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of `key` where it was logged."""
+    points = [(r["step"], r[key]) for r in rows if not math.isnan(r.get(key, math.nan))]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def git_sha(repo: Path) -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def write_run_info(run_dir: Path, repo: Path, extra: dict) -> dict:
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    info = {"git_sha": git_sha(repo), "python": platform.python_version(), "platform": platform.platform(),
+            "versions": versions, **extra}
+    (run_dir / "run_info.json").write_text(json.dumps(info, indent=2, default=str))
+    return info
+
+
+def plot_reward_curve(rows: list[dict[str, float]], out: str | Path, title: str = "") -> Path:
+    """reward/mean (sampled, training prompts) and eval/accuracy (greedy, held-out) against RL step."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*series(rows, "reward/mean"), label="reward/mean (sampled, training prompts)", alpha=0.8)
+    ax.plot(*series(rows, "eval/accuracy"), "o-", label="eval/accuracy (greedy, held-out)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return Path(out)

@@ -1,0 +1,117 @@
+"""record_routing and replay_routing: context managers that hook every router instance of one model.
+
+The hooks live on the model's own router modules for the duration of the context and are removed on exit;
+nothing is stored on classes or in globals, so two models (or two runs in one process) never interfere.
+
+    with record_routing(model) as trace:          # any forward or generate call
+        model.generate(**batch)
+    with replay_routing(model, trace) as stats:   # routers use the recorded experts
+        loss = policy_loss(model(...)); loss.backward()   # keep backward inside under gradient checkpointing
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from gspo_lab.routing.adapters import find_routers
+from gspo_lab.routing.trace import RoutingTrace, compact_dtype
+
+
+def _batch_shape(args, kwargs) -> tuple[int, int]:
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *(a for a in args if isinstance(a, Tensor))):
+        if value is not None:
+            return value.shape[0], value.shape[1]
+    raise ValueError("routing hooks: the decoder was called without input_ids or inputs_embeds")
+
+
+@contextmanager
+def _hooks(model: torch.nn.Module, router_hook, purpose: str) -> Iterator[list[tuple[int, int]]]:
+    """Registers `router_hook(layer, router, adapter, output, shape)` on every router; yields the list of
+    [B, S] shapes of the decoder calls made inside the context."""
+    routers = find_routers(model, purpose)
+    decoder = getattr(model, model.base_model_prefix, model)
+    shapes: list[tuple[int, int]] = []
+    handles = [decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(_batch_shape(args, kwargs)), with_kwargs=True)]
+    for layer, (_, router, adapter) in enumerate(routers):
+        handles.append(router.register_forward_hook(
+            lambda module, args, output, layer=layer, adapter=adapter: router_hook(layer, module, adapter, output, shapes[-1])
+        ))
+    try:
+        yield shapes
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _Recorder:
+    """Collects each layer's [B, S, k] choices per decoder call, then stitches them along the sequence."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.calls: list[list[Tensor]] = [[] for _ in range(num_layers)]
+
+    def __call__(self, layer, router, adapter, output, shape) -> None:
+        _, _, indices = output
+        rows, length = shape
+        self.calls[layer].append(indices.detach().to("cpu", compact_dtype(router.num_experts)).reshape(rows, length, -1))
+
+    def trace(self, prompt_len: int | None) -> RoutingTrace:
+        if not self.calls[0]:
+            raise ValueError("record_routing: no forward pass ran inside the context, so nothing was recorded")
+        indices = torch.stack([torch.cat(calls, dim=1) for calls in self.calls])  # [layers, B, L, k]
+        recorded = torch.ones(indices.shape[1:3], dtype=torch.bool)
+        return RoutingTrace(indices, recorded, prompt_len)
+
+
+@contextmanager
+def record_routing(model: torch.nn.Module, prompt_len: int | None = None) -> Iterator[RoutingTrace]:
+    """Yields a trace filled with the top-k experts of every MoE layer for every token that the decoder
+    processes inside the context (a forward over [B, L], or generate's prefill and each decode step)."""
+    recorder = _Recorder(len(find_routers(model, "record_routing")))
+    trace = RoutingTrace(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.bool), prompt_len)
+    with _hooks(model, recorder, "record_routing"):
+        yield trace
+    finished = recorder.trace(prompt_len)
+    trace.indices, trace.recorded = finished.indices, finished.recorded
+
+
+@dataclass
+class ReplayStats:
+    """How often replay overrode the router's own choice: (token, layer) pairs whose expert set differed."""
+
+    overridden: int = 0
+    replayed: int = 0
+
+    @property
+    def override_frac(self) -> float:
+        return self.overridden / self.replayed if self.replayed else 0.0
+
+
+@contextmanager
+def replay_routing(model: torch.nn.Module, trace: RoutingTrace, valid: Tensor | None = None) -> Iterator[ReplayStats]:
+    """Every MoE layer uses the experts recorded in `trace` (positions not recorded keep their own choice);
+    gate weights are recomputed from the live logits at those experts. `valid` [B, L] limits the override
+    statistics to real tokens. Every forward inside must cover the trace's [B, L] tokens."""
+    stats = ReplayStats()
+    valid_flat = valid.reshape(-1).cpu().bool() if valid is not None else None
+
+    def replay(layer, router, adapter, output, shape):
+        logits, _, natural = output
+        recorded_idx, recorded = trace.layer(layer, *shape)  # [N, k], [N] on CPU
+        recorded_idx = recorded_idx.to(natural.device, natural.dtype)
+        use = recorded.to(natural.device)[:, None]
+        indices = torch.where(use, recorded_idx, natural)  # [N, k]
+        with torch.no_grad():
+            differs = (natural.sort(-1).values != indices.sort(-1).values).any(-1).cpu() & recorded
+            counted = differs if valid_flat is None else differs & valid_flat
+            stats.overridden += int(counted.sum())
+            stats.replayed += int((recorded if valid_flat is None else recorded & valid_flat).sum())
+        return logits, adapter.gate_weights(router, logits, indices), indices
+
+    with _hooks(model, replay, "replay_routing"):
+        yield stats

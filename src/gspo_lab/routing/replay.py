@@ -1,0 +1,98 @@
+"""How an RL step uses routing replay, by mode (`routing.replay`), and the routing diagnostics.
+
+    off  the old-policy forward records the experts (for diagnostics only); nothing is replayed
+    r2   the old-policy forward records; every training forward of that rollout batch replays
+    r3   generation records; the old-policy forward and every training forward replay
+Whatever the mode, after a step's updates one no-grad forward over the rollout batch records the current
+policy's choices and compares them with the old policy's: routing/changed_frac (and per layer),
+routing/changed_tokens_frac; under replay also routing/override_frac.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator
+
+import torch
+
+from gspo_lab.config import REPLAY_MODES
+from gspo_lab.routing.adapters import ADAPTERS, find_routers
+from gspo_lab.routing.hooks import ReplayStats, record_routing, replay_routing
+from gspo_lab.routing.trace import RoutingTrace, changed_fraction
+
+
+def is_moe(model: torch.nn.Module) -> bool:
+    return any(type(m).__name__ in ADAPTERS for m in model.modules())
+
+
+class RoutingReplay:
+    """The module's view of routing for one model and mode; a dense model gets no routing metrics."""
+
+    def __init__(self, model: torch.nn.Module, mode: str, record_generation: bool = False) -> None:
+        if mode not in REPLAY_MODES:
+            raise ValueError(f"routing.replay={mode!r} must be one of {list(REPLAY_MODES)}")
+        self.model, self.mode = model, mode
+        self.moe = is_moe(model)
+        if mode != "off" and not self.moe:
+            find_routers(model, f"routing.replay={mode}")  # raises: dense or unsupported MoE
+        self.record_generation = self.moe and (mode == "r3" or record_generation)
+        self._generation_trace: RoutingTrace | None = None
+        self._stats = ReplayStats()
+
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        """Around generate: records when the mode (or old log-probs from generation) needs it."""
+        if not self.record_generation:
+            yield
+            return
+        with record_routing(self.model) as trace:
+            yield
+        self._generation_trace = trace
+
+    def generation_trace(self, prompt_len: int, length: int) -> RoutingTrace | None:
+        """The trace recorded during generation, widened to the batch's [B, length] columns."""
+        trace, self._generation_trace = self._generation_trace, None
+        if trace is None:
+            return None
+        trace.prompt_len = prompt_len
+        return trace.extend_to(length)
+
+    @contextmanager
+    def old_policy(self, batch) -> Iterator[list[RoutingTrace | None]]:
+        """Around the old-policy forward; yields a one-item list holding the batch's trace afterwards."""
+        holder = [batch.routing_trace]
+        if not self.moe:
+            yield holder
+        elif self.mode == "r3":
+            with replay_routing(self.model, batch.routing_trace, batch.attention_mask):
+                yield holder
+        else:
+            with record_routing(self.model, batch.input_ids.shape[1] - batch.completion_len) as trace:
+                yield holder
+            holder[0] = trace
+
+    def training(self, minibatch):
+        """Around a training forward and its backward (gradient checkpointing recomputes inside it)."""
+        if self.mode == "off" or not self.moe:
+            return nullcontext()
+        return self._replay_counting(minibatch)
+
+    @contextmanager
+    def _replay_counting(self, minibatch):
+        with replay_routing(self.model, minibatch.routing_trace, minibatch.attention_mask) as stats:
+            yield
+        self._stats.overridden += stats.overridden
+        self._stats.replayed += stats.replayed
+
+    def diagnostics(self, batch, logprobs: Callable) -> dict[str, float]:
+        """Routing change of the rollout batch after its updates (one extra no-grad forward)."""
+        if not self.moe or batch.routing_trace is None:
+            return {}
+        with torch.no_grad(), record_routing(self.model) as current:
+            logprobs(batch)
+        metrics = changed_fraction(batch.routing_trace, current, batch.attention_mask)
+        if self.mode != "off":
+            metrics["routing/override_frac"] = self._stats.override_frac
+            self._stats = ReplayStats()
+        metrics["routing/trace_bytes_per_token"] = batch.routing_trace.bytes_per_token()
+        return metrics

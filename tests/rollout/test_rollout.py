@@ -1,0 +1,80 @@
+"""Generation tensors, log-probs (chunked, temperature, gradients) and the prompt schedule."""
+
+import pytest
+import torch
+
+from gspo_lab.models import TinyModel
+from gspo_lab.rollout import PromptSchedule, generate, token_logprobs
+from gspo_lab.tasks import Arithmetic
+
+SMALL = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "head_dim": 16, "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 16}
+
+
+@pytest.fixture(scope="module")
+def policy():
+    torch.manual_seed(0)
+    return TinyModel(arch="qwen3_moe", config=SMALL).load()
+
+
+def full_logsoftmax(model, ids, mask, C, temperature):
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -C - 1 : -1] / temperature
+    return logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+
+
+def test_completions_are_cut_at_eos_and_masked(policy):
+    model, tok = policy
+    torch.manual_seed(3)
+    out = generate(model, tok, ["1+2="] * 16, max_new_tokens=12)
+    for ids, mask, truncated in zip(out.completion_ids, out.completion_mask, out.truncated):
+        eos = (ids == tok.eos_token_id).nonzero()
+        if truncated:
+            assert len(eos) == 0 and mask.all()
+        else:
+            first = eos[0].item()
+            assert mask[: first + 1].all() and not mask[first + 1 :].any()  # EOS itself is in the loss
+            assert (ids[first + 1 :] == tok.pad_token_id).all()
+    fixed = generate(model, tok, ["1+2="] * 4, max_new_tokens=5, suppress_eos=True)
+    assert fixed.completion_ids.shape[1] == 5 and fixed.truncated.all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_equal_a_full_log_softmax_with_gradients(policy, temperature):
+    model, tok = policy
+    out = generate(model, tok, ["12+3=", "1=", "999+1=", "4+4=", "5+5="], 6, temperature=temperature)
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+    C = out.completion_ids.shape[1]
+    model.zero_grad()
+    chunked, entropy = token_logprobs(model, ids, mask, C, temperature, chunk_rows=2)
+    (chunked * out.completion_mask).sum().backward()
+    chunked_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    reference = full_logsoftmax(model, ids, mask, C, temperature)
+    (reference * out.completion_mask).sum().backward()
+    assert torch.allclose(chunked, reference, atol=1e-5)
+    for a, p in zip(chunked_grads, model.parameters()):
+        assert torch.allclose(a, p.grad, atol=1e-5)
+    assert (entropy >= 0).all() and not entropy.requires_grad
+
+
+def test_logprobs_from_generation_match_the_forward(policy):
+    model, tok = policy
+    torch.manual_seed(4)
+    out = generate(model, tok, ["12+3=", "1=", "999+1="], 6, temperature=0.8, return_logprobs=True)
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+    with torch.no_grad():
+        forward, _ = token_logprobs(model, ids, mask, out.completion_ids.shape[1], 0.8)
+    valid = out.completion_mask.bool()
+    assert torch.allclose(out.logprobs[valid], forward[valid], atol=1e-4)
+
+
+def test_prompt_schedule_shards_whole_prompts_by_rank():
+    schedule = PromptSchedule(Arithmetic(), prompts_per_step=8, seed=5)
+    step = schedule.for_step(3)
+    shards = [schedule.for_step(3, rank, 2) for rank in (0, 1)]
+    assert shards[0] + shards[1] == step and not set(e.prompt for e in shards[0]) & set(e.prompt for e in shards[1])
+    assert schedule.for_step(3) == step and schedule.for_step(4) != step

@@ -1,0 +1,114 @@
+"""Every option of every config group composes and instantiates (lightning-hydra-template's habit), and
+every algorithm picks the objective and routing mode it claims."""
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from gspo_lab import CONFIG_DIR
+from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
+from gspo_lab.objectives import GRPO, GSPO, GSPOToken
+from gspo_lab.sft import SFTConfig
+
+CONF = Path(CONFIG_DIR)
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_every_group_has_options():
+    for group in ("model", "task", "objective", "advantage", "rollout", "routing", "optimizer", "trainer",
+                  "logger", "callbacks", "algorithm", "sft"):
+        assert options(group), group
+
+
+@pytest.mark.parametrize("name", options("model"))
+def test_model_options(name, compose, tmp_path):
+    cfg = compose([f"model={name}"])
+    source = instantiate(cfg.model)
+    if name == "hf":
+        with pytest.raises(ValueError, match="model.path is not set"):
+            source.load()
+        return
+    model, tokenizer = source.load()
+    assert isinstance(model, torch.nn.Module) and len(tokenizer) == model.config.vocab_size
+
+
+@pytest.mark.parametrize("name", options("task"))
+def test_task_options(name, compose, tmp_path):
+    overrides = [f"task={name}"]
+    if name == "jsonl":
+        data = tmp_path / "data.jsonl"
+        data.write_text("".join(f'{{"prompt": "{i}+{i}=", "answer": "{2 * i}"}}\n' for i in range(50)))
+        overrides.append(f"task.path={data}")
+    task = instantiate(compose(overrides).task)
+    example = task.examples("train", 3, seed=0)[0]
+    assert task.reward(example, task.demonstration(example)) == 1.0
+
+
+@pytest.mark.parametrize("group, cls", [("rollout", RolloutConfig), ("routing", RoutingConfig)])
+def test_settings_nodes(group, cls, compose):
+    for name in options(group):
+        assert isinstance(instantiate(compose([f"{group}={name}"])[group]), cls)
+
+
+def test_train_and_sft_nodes(base_cfg):
+    assert isinstance(instantiate(base_cfg.train), TrainConfig)
+    assert SFTConfig(**OmegaConf.to_container(base_cfg.sft, resolve=True)).enabled
+
+
+@pytest.mark.parametrize("name", options("optimizer"))
+def test_optimizer_options(name, compose):
+    parameter = torch.nn.Parameter(torch.zeros(8))
+    optimizer = instantiate(compose([f"optimizer={name}"]).optimizer)([parameter])
+    assert optimizer.param_groups[0]["lr"] == 3e-5  # ${train.lr}
+
+
+@pytest.mark.parametrize("name", options("trainer"))
+def test_trainer_options(name, compose, tmp_path):
+    cfg = compose([f"trainer={name}", f"paths.output_dir={tmp_path}"])
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        cfg.trainer.accelerator, cfg.trainer.devices = "cpu", 1  # the rest of the file must still be valid
+        if cfg.trainer.get("strategy") == "fsdp":
+            cfg.trainer.strategy = "auto"
+        cfg.trainer.precision = "bf16-mixed"
+    assert isinstance(instantiate(cfg.trainer), L.Trainer)
+
+
+@pytest.mark.parametrize("name", options("logger"))
+def test_logger_options(name, compose, tmp_path):
+    loggers = [instantiate(c) for c in compose([f"logger=[{name}]", f"paths.output_dir={tmp_path}"]).logger.values()]
+    assert len(loggers) == 1 and loggers[0].save_dir.startswith(str(tmp_path))
+
+
+def test_several_loggers_at_once(compose, tmp_path):
+    cfg = compose(["logger=[csv,wandb,tensorboard]", f"paths.output_dir={tmp_path}"])
+    assert sorted(cfg.logger) == ["csv", "tensorboard", "wandb"]
+
+
+def test_callbacks(base_cfg, tmp_path, compose):
+    cfg = compose([f"paths.output_dir={tmp_path}"])
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()]
+    checkpoint = next(c for c in callbacks if isinstance(c, L.pytorch.callbacks.ModelCheckpoint))
+    assert checkpoint._every_n_train_steps == cfg.train.ckpt_every * cfg.train.minibatches
+
+
+@pytest.mark.parametrize(
+    "name, cls, replay",
+    [("gspo", GSPO, "off"), ("gspo_token", GSPOToken, "off"), ("grpo", GRPO, "off"), ("grpo_rr", GRPO, "r2")],
+)
+def test_algorithms(name, cls, replay, compose):
+    cfg = compose([f"algorithm={name}"])
+    assert type(instantiate(cfg.objective)) is cls
+    assert instantiate(cfg.routing).replay == replay
+    # objective.* still overrides what the algorithm chose
+    assert instantiate(compose([f"algorithm={name}", "objective.clip_high=0.5"]).objective).clip_high == 0.5
+
+
+def test_algorithm_options_are_the_tested_ones():
+    assert options("algorithm") == ["grpo", "grpo_rr", "gspo", "gspo_token"]
