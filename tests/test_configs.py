@@ -100,15 +100,17 @@ def test_callbacks(base_cfg, tmp_path, compose):
 
 @pytest.mark.parametrize(
     "name, cls, replay",
-    [("gspo", GSPO, "off"), ("gspo_token", GSPOToken, "off"), ("grpo", GRPO, "off"), ("grpo_rr", GRPO, "r2")],
+    [("gspo", GSPO, "off"), ("gspo_token", GSPOToken, "off"), ("grpo", GRPO, "off"), ("grpo_rr", GRPO, "r2"),
+     ("gspo_shuffled_rewards", GSPO, "off")],
 )
 def test_algorithms(name, cls, replay, compose):
     cfg = compose([f"algorithm={name}"])
     assert type(instantiate(cfg.objective)) is cls
     assert instantiate(cfg.routing).replay == replay
+    assert instantiate(cfg.train).shuffle_rewards == (name == "gspo_shuffled_rewards")
     # objective.* still overrides what the algorithm chose
     assert instantiate(compose([f"algorithm={name}", "objective.clip_high=0.5"]).objective).clip_high == 0.5
 
 
 def test_algorithm_options_are_the_tested_ones():
-    assert options("algorithm") == ["grpo", "grpo_rr", "gspo", "gspo_token"]
+    assert options("algorithm") == ["grpo", "grpo_rr", "gspo", "gspo_shuffled_rewards", "gspo_token"]

@@ -2,10 +2,25 @@
 
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 # conf/ at the repository root (the package is installed editable from src/)
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
-# ${mul:a,b} in configs, e.g. Lightning's optimizer-step counts from RL steps x mini-batches
+# ${mul:a,b} and ${idiv:a,b} in configs, e.g. Lightning's optimizer steps = RL steps x mini-batches
 OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
+OmegaConf.register_new_resolver("idiv", lambda a, b: a // b, replace=True)
+# ${truncate:text,n}: sweep subdir names stay under the 255-byte file-name limit however many overrides
+OmegaConf.register_new_resolver("truncate", lambda text, n: str(text)[:n], replace=True)
+
+
+def _sweep_group() -> str | None:
+    """${sweep_group:}: the multirun's sweep dir (so one sweep's wandb runs share a group); null otherwise."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return HydraConfig.get().sweep.dir
+    return None
+
+
+OmegaConf.register_new_resolver("sweep_group", _sweep_group, replace=True)

@@ -64,3 +64,5 @@ def quiet_libraries() -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    # checkpoints are taken between RL steps, so the post-update state Lightning warns about is the right one
+    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")

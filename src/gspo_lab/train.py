@@ -12,11 +12,14 @@ import json
 import logging
 import os
 import time
+import traceback
 from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -66,10 +69,35 @@ def train(cfg: DictConfig) -> dict:
     return summary
 
 
+def set_threads(cfg: DictConfig) -> None:
+    """torch threads: `threads` if set; under a parallel Hydra launcher (joblib's n_jobs, -1 = one job per
+    core), the cores divided among its jobs, so two jobs on two cores do not fight over threads."""
+    threads = cfg.get("threads")
+    if threads is None and HydraConfig.initialized():
+        cores = os.cpu_count() or 1
+        jobs = HydraConfig.get().launcher.get("n_jobs")
+        jobs = cores if jobs == -1 else jobs
+        if isinstance(jobs, int) and jobs > 1:
+            threads = max(1, cores // jobs)
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Returns the final held-out accuracy, the value a Hydra sweeper would optimise."""
-    return train(cfg)["eval/accuracy_after"]
+    """Returns the final held-out accuracy, the value a Hydra sweeper would optimise. In a multirun a
+    failed job is logged and recorded in its run dir (failed.txt) and the sweep goes on."""
+    set_threads(cfg)
+    if not (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN):
+        return train(cfg)["eval/accuracy_after"]
+    try:
+        return train(cfg)["eval/accuracy_after"]
+    except Exception:  # noqa: BLE001 - one bad job must not end a sweep of many
+        run_dir = Path(cfg.paths.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "failed.txt").write_text(traceback.format_exc())
+        log.error("job %s failed; the sweep continues. Traceback in %s", run_dir.name, run_dir / "failed.txt")
+        return None
 
 
 if __name__ == "__main__":

@@ -1,24 +1,22 @@
-"""Every objective and advantage YAML instantiates through Hydra into the class it names."""
-
-from pathlib import Path
+"""The objective and advantage YAMLs instantiate through Hydra with the paper's values, and clip_scale
+scales the clip range."""
 
 import pytest
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from gspo_lab.objectives import GRPO, GSPO, GroupAdvantage, GSPOToken
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
-
 
 @pytest.mark.parametrize(
-    "name, cls", [("gspo", GSPO), ("gspo_token", GSPOToken), ("grpo", GRPO)]
+    "algorithm, cls, paper_clip", [("gspo", GSPO, (3e-4, 4e-4)), ("gspo_token", GSPOToken, (3e-4, 4e-4)),
+                                   ("grpo", GRPO, (0.2, 0.27))]
 )
-def test_objective_yaml_instantiates(name, cls):
-    obj = instantiate(OmegaConf.load(CONF / "objective" / f"{name}.yaml"))
-    assert type(obj) is cls
-    assert (obj.clip_low, obj.clip_high) == ((3e-4, 4e-4) if name != "grpo" else (0.2, 0.27))
+def test_objective_yaml_has_the_paper_clip_range(algorithm, cls, paper_clip, compose):
+    obj = instantiate(compose([f"algorithm={algorithm}"]).objective)
+    assert type(obj) is cls and (obj.clip_low, obj.clip_high) == paper_clip  # exactly: 1.0 x value
+    scaled = instantiate(compose([f"algorithm={algorithm}", "clip_scale=2.0"]).objective)
+    assert (scaled.clip_low, scaled.clip_high) == (2 * paper_clip[0], 2 * paper_clip[1])
 
 
-def test_advantage_yaml_instantiates():
-    assert instantiate(OmegaConf.load(CONF / "advantage" / "group.yaml")) == GroupAdvantage("group", 1e-6)
+def test_advantage_yaml_instantiates(base_cfg):
+    assert instantiate(base_cfg.advantage) == GroupAdvantage("group", 1e-6)

@@ -1,0 +1,75 @@
+"""Every study in conf/experiment runs one tiny step per job through Hydra multirun, a failed job does not
+stop a sweep, and gspo-report turns a multirun dir into its table and figures."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from gspo_lab import CONFIG_DIR
+from gspo_lab.report.study import FIGURES, main as report_main
+
+STUDIES = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
+TINY = ["model.config.hidden_size=64", "model.config.moe_intermediate_size=32", "train.steps=1",
+        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4", "task.eval_size=8",
+        "callbacks.progress.refresh_rate=0"]
+
+
+def gspo_train(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
+    return subprocess.run([sys.executable, "-m", "gspo_lab.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def finished_runs(sweep: Path) -> list[Path]:
+    return sorted(p.parent for p in sweep.glob("*/summary.json"))
+
+
+def test_every_study_is_tested():
+    assert STUDIES == ["clip_range", "expert_volatility", "group_size", "length_norm", "off_policy", "paper_main",
+                       "routing_replay"]
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
+    swept = OmegaConf.load(Path(CONFIG_DIR) / "experiment" / f"{study}.yaml").hydra.sweeper.params
+    tiny = [o for o in TINY + ["model.config.num_hidden_layers=1"] if o.split("=")[0] not in swept]
+    result = gspo_train(["-m", f"experiment={study}", "seed=0", "sft.enabled=false", "hydra/launcher=basic",
+                         f"hydra.sweep.dir={tmp_path / 'sweep'}", f"paths.cache_dir={tmp_path / 'cache'}", *tiny],
+                        tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = finished_runs(tmp_path / "sweep")
+    expected = {"paper_main": 5, "clip_range": 6, "group_size": 4, "length_norm": 2, "routing_replay": 6,
+                "expert_volatility": 4, "off_policy": 4}[study]
+    assert len(runs) == expected
+    assert all((run / "metrics.csv").is_file() for run in runs)
+
+
+def test_joblib_sweep_survives_a_failed_job_and_reports(tmp_path, cold_start_cache):
+    sweep = tmp_path / "sweep"
+    result = gspo_train(["-m", "algorithm=gspo,grpo", "seed=0,1", "rollout.temperature=1.0,-1.0",
+                         "hydra/launcher=joblib", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={cold_start_cache}",
+                         "model.config.num_hidden_layers=1", "sft.steps=60", "sft.eval_every=60", "sft.eval_size=16",
+                         "sft.target_accuracy=1.0", "sft.batch_size=64", "task.format_weight=0.5",
+                         *TINY, "train.steps=3"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(finished_runs(sweep)) == 4  # temperature 1.0: gspo, grpo x seeds 0, 1
+    failed = sorted(sweep.glob("*/failed.txt"))
+    assert len(failed) == 4 and "rollout.temperature=-1.0 is invalid" in failed[0].read_text()
+    report_main([str(sweep), "--baseline", "algorithm=gspo rollout.temperature=1.0"])
+    for name in ["report.md", *FIGURES]:
+        assert (sweep / name).stat().st_size > 0, name
+    text = (sweep / "report.md").read_text()
+    assert "| algorithm=grpo rollout.temperature=1.0 | 2 |" in text  # two seeds, mean ± standard error
+    assert "Paired differences against `algorithm=gspo rollout.temperature=1.0`" in text
+    assert "failed (see failed.txt)" in text  # the failed jobs are named, not silently dropped
+
+
+def test_report_on_an_empty_dir_fails_clearly(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="no runs under .*: expected run dirs holding run_info.json"):
+        report_main([str(tmp_path)])
+    with pytest.raises(SystemExit, match="is not a directory"):
+        report_main([str(tmp_path / "missing")])
