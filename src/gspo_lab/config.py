@@ -75,6 +75,8 @@ class TrainConfig:
         ckpt_every: RL steps between checkpoints (last.ckpt is always kept).
         logprob_chunk_rows: rows per chunk of the log-prob computation (bounds its memory).
         max_consecutive_skips: stop the run after this many updates in a row skipped for NaN/Inf.
+        on_reward_error: "zero" scores a completion whose reward function raised 0 (reported and counted
+            in reward/errors); "raise" stops the run.
     """
 
     steps: int = 200
@@ -86,8 +88,11 @@ class TrainConfig:
     ckpt_every: int = 50
     logprob_chunk_rows: int = 32
     max_consecutive_skips: int = 5
+    on_reward_error: str = "zero"
 
     def __post_init__(self) -> None:
+        _require(self.on_reward_error in ("zero", "raise"), "train.on_reward_error", self.on_reward_error,
+                 "must be one of ['zero', 'raise']")
         for key in ("steps", "minibatches", "eval_every", "ckpt_every", "logprob_chunk_rows", "max_consecutive_skips"):
             _positive_int(f"train.{key}", getattr(self, key))
         _require(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, "train.lr", self.lr,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Callable
 
 import lightning as L
@@ -86,6 +87,9 @@ class RLModule(L.LightningModule):
         return DataLoader(StepTicks(self.train_cfg.steps), batch_size=None)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise FloatingPointError(f"refusing to write a checkpoint with non-finite weights in {bad[:5]}")
         checkpoint["rl_step"] = self.rl_step
         checkpoint["history"] = self.history
         checkpoint["consecutive_skips"] = self.consecutive_skips
@@ -216,6 +220,8 @@ class RLModule(L.LightningModule):
         try:
             return float(self.task.reward(example, completion))
         except Exception as error:  # noqa: BLE001 - a user's reward function may raise anything
+            if self.train_cfg.on_reward_error == "raise":
+                raise RuntimeError(f"reward raised on prompt {example.prompt!r}, completion {completion!r}") from error
             self.reward_errors += 1
             log.warning("reward raised %r on prompt %r, completion %r; scored 0", error, example.prompt, completion)
             return 0.0
@@ -229,10 +235,13 @@ class RLModule(L.LightningModule):
         self.consecutive_skips += 1
         log.warning("RL step %d: update skipped (%s)", self.rl_step, reason)
         if self.consecutive_skips >= self.train_cfg.max_consecutive_skips:
+            checkpoint = Path(self.trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+            self.trainer.save_checkpoint(checkpoint)  # the weights are the last good ones: skips change nothing
             raise TooManySkippedUpdates(
                 f"{self.consecutive_skips} consecutive updates were skipped for NaN/Inf loss or gradients "
-                f"(train.max_consecutive_skips={self.train_cfg.max_consecutive_skips}); stopping at RL step "
-                f"{self.rl_step}. Lower train.lr or set objective.log_ratio_clamp."
+                f"(train.max_consecutive_skips={self.train_cfg.max_consecutive_skips}); stopped at RL step "
+                f"{self.rl_step} with checkpoint {checkpoint}. Lower train.lr or set objective.log_ratio_clamp, "
+                "then resume with ckpt_path=last."
             )
         return 1
 

@@ -1,9 +1,9 @@
-"""gspo-train: one RL run from the Hydra config: instantiate, fit, report.
+"""gspo-train: one RL run from the Hydra config: validate, instantiate, fit, report.
 
     gspo-train                                   # the default experiment: GSPO on the tiny MoE, CPU
     gspo-train algorithm=grpo seed=1 train.steps=50
     gspo-train -m experiment=paper_main          # a whole study as a Hydra multirun
-    python -m gspo_lab.train ckpt_path=outputs/<run>/checkpoints/last.ckpt   # resume
+    gspo-train hydra.run.dir=<run dir> ckpt_path=last   # resume a stopped run in its own dir
 """
 
 from __future__ import annotations
@@ -11,60 +11,136 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab import CONFIG_DIR
+from gspo_lab.callbacks import GracefulStop
 from gspo_lab.cold_start import policy_from_config
 from gspo_lab.loggers import quiet_libraries
-from gspo_lab.module import RLModule
+from gspo_lab.module import RLModule, TooManySkippedUpdates
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
 
 log = logging.getLogger(__name__)
 
 
-def train(cfg: DictConfig) -> dict:
-    """Run one RL experiment; returns its summary (also written to summary.json in the run dir)."""
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the key, the value and the rule."""
+
+
+class Interrupted(RuntimeError):
+    """The run stopped on a signal after writing a checkpoint."""
+
+    def __init__(self, signum: int, checkpoint: Path, run_dir: Path) -> None:
+        self.signum = signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name}; checkpoint {checkpoint}. Resume with: "
+            f"gspo-train <same overrides> hydra.run.dir={run_dir} ckpt_path=last"
+        )
+
+
+@dataclass
+class Plan:
+    """Everything of a run that is cheap to build, built and checked before anything heavy starts."""
+
+    run_dir: Path
+    trainer: L.Trainer
+    loggers: list
+    callbacks: list
+    rollout: object
+    train: object
+    routing: object
+    task: object
+    objective: object
+    advantage: object
+    optimizer: object
+    ckpt_path: str | None
+
+
+def plan(cfg: DictConfig) -> Plan:
+    """Validate the config by instantiating its light parts; raises ConfigError with key, value and rule."""
+    try:
+        parts = {k: instantiate(cfg[k]) for k in ("rollout", "train", "routing", "task", "objective", "advantage",
+                                                   "optimizer")}
+        instantiate(cfg.model)  # the model source checks its own settings; weights load later
+        loggers = [instantiate(c) for c in cfg.get("logger", {}).values()]
+        callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values()]
+        trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+        parts["train"].check_against(parts["rollout"], trainer.world_size)
+        parts["routing"].check_against(parts["rollout"])
+    except InstantiationException as error:
+        raise ConfigError(str(error.__cause__ or error)) from error
+    except (ValueError, FileNotFoundError) as error:
+        raise ConfigError(str(error)) from error
+    run_dir = Path(cfg.paths.output_dir)
+    return Plan(run_dir, trainer, loggers, callbacks, ckpt_path=resolve_checkpoint(cfg.get("ckpt_path"), run_dir),
+                **parts)
+
+
+def resolve_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """`last` -> <run dir>/checkpoints/last.ckpt; any checkpoint must exist and load without running
+    pickled code (torch.load weights_only), else a ConfigError naming the file."""
+    if ckpt_path is None:
+        return None
+    path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path).expanduser()
+    if not path.is_file():
+        where = f"no checkpoints/last.ckpt in {run_dir} (set hydra.run.dir to the run to resume)" if ckpt_path == "last" else "no such file"
+        raise ConfigError(f"ckpt_path={ckpt_path!r}: {where}")
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same clear message
+        raise ConfigError(f"ckpt_path={ckpt_path!r}: {path} is not a readable checkpoint (corrupt or truncated?): {error}")
+    return str(path)
+
+
+def build(cfg: DictConfig) -> tuple[Plan, RLModule, dict]:
+    """The validated plan, the module holding the starting policy (cold start loaded or trained), and the
+    cold start's info."""
     os.environ.setdefault("WANDB_MODE", "offline")  # a user's WANDB_MODE wins
     quiet_libraries()
-    run_dir = Path(cfg.paths.output_dir)
-    rollout, train_cfg, routing = instantiate(cfg.rollout), instantiate(cfg.train), instantiate(cfg.routing)
-    loggers = [instantiate(c) for c in cfg.get("logger", {}).values()]
-    callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values()]
-    trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
-    train_cfg.check_against(rollout, trainer.world_size)
-    routing.check_against(rollout)
-    task = instantiate(cfg.task)
-    model, tokenizer, cold_start = policy_from_config(cfg, task)
-    module = RLModule(
-        model, tokenizer, task, instantiate(cfg.objective), instantiate(cfg.advantage), instantiate(cfg.optimizer),
-        rollout, train_cfg, routing, cfg.seed,
-    )
+    run = plan(cfg)
+    model, tokenizer, cold_start = policy_from_config(cfg, run.task)
+    module = RLModule(model, tokenizer, run.task, run.objective, run.advantage, run.optimizer, run.rollout,
+                      run.train, run.routing, cfg.seed)
+    return run, module, cold_start
+
+
+def train(cfg: DictConfig) -> dict:
+    """Run one RL experiment; returns its summary (also written to summary.json in the run dir)."""
+    run, module, cold_start = build(cfg)
+    trainer, tokenizer = run.trainer, module.tokenizer
     algorithm = HydraConfig.get().runtime.choices.get("algorithm") if HydraConfig.initialized() else None
     if trainer.is_global_zero:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        write_run_info(run_dir, Path(CONFIG_DIR).parent, {"algorithm": algorithm, "cold_start": cold_start})
-        for logger in loggers:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        write_run_info(run.run_dir, Path(CONFIG_DIR).parent, {"algorithm": algorithm, "cold_start": cold_start})
+        for logger in run.loggers:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     started = time.perf_counter()
-    trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))
-    summary = summarise(module.history, time.perf_counter() - started, algorithm or module.objective.name, str(run_dir))
+    trainer.fit(module, ckpt_path=run.ckpt_path, weights_only=True)
+    stop = next((c for c in run.callbacks if isinstance(c, GracefulStop) and c.received), None)
+    if stop is not None:
+        raise Interrupted(stop.received, stop.checkpoint, run.run_dir)
+    summary = summarise(module.history, time.perf_counter() - started, algorithm or module.objective.name, str(run.run_dir))
     if trainer.is_global_zero:
-        module.model.save_pretrained(run_dir / "final")  # the trained policy: model=hf model.path=<run>/final
-        tokenizer.save_pretrained(run_dir / "final")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot_reward_curve(module.history, run_dir / "reward_curve.png", title=run_dir.name)
+        module.model.save_pretrained(run.run_dir / "final")  # the trained policy: model=hf model.path=<run>/final
+        tokenizer.save_pretrained(run.run_dir / "final")
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot_reward_curve(module.history, run.run_dir / "reward_curve.png", title=run.run_dir.name)
         print(format_summary(summary))
     return summary
 
@@ -85,19 +161,30 @@ def set_threads(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Returns the final held-out accuracy, the value a Hydra sweeper would optimise. In a multirun a
-    failed job is logged and recorded in its run dir (failed.txt) and the sweep goes on."""
+    """Returns the final held-out accuracy, the value a Hydra sweeper would optimise. A bad setting or a
+    stop on a signal ends the command with a one-paragraph message and a non-zero exit; in a multirun a
+    failed job is recorded in its run dir (failed.txt) and the sweep goes on."""
     set_threads(cfg)
-    if not (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN):
-        return train(cfg)["eval/accuracy_after"]
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         return train(cfg)["eval/accuracy_after"]
-    except Exception:  # noqa: BLE001 - one bad job must not end a sweep of many
-        run_dir = Path(cfg.paths.output_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "failed.txt").write_text(traceback.format_exc())
-        log.error("job %s failed; the sweep continues. Traceback in %s", run_dir.name, run_dir / "failed.txt")
-        return None
+    except Exception as error:
+        if multirun:  # one bad job must not end a sweep of many
+            run_dir = Path(cfg.paths.output_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "failed.txt").write_text(traceback.format_exc())
+            log.error("job %s failed (%s); the sweep continues", run_dir.name, error)
+            return None
+        if isinstance(error, ConfigError):
+            print(f"gspo-train: invalid configuration: {error}", file=sys.stderr)
+            sys.exit(2)
+        if isinstance(error, Interrupted):
+            print(f"gspo-train: {error}", file=sys.stderr)
+            sys.exit(128 + error.signum)
+        if isinstance(error, TooManySkippedUpdates):
+            print(f"gspo-train: {error}", file=sys.stderr)
+            sys.exit(1)
+        raise
 
 
 if __name__ == "__main__":

@@ -81,10 +81,10 @@ def test_hf_loads_a_checkpoint_this_test_saved(tmp_path):
 
 def test_model_errors_are_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"model\.path=.*missing.*no config\.json"):
-        PretrainedModel(path=str(tmp_path / "missing")).load()
+        PretrainedModel(path=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="model.path is not set"):
-        PretrainedModel().load()
+        PretrainedModel()
     with pytest.raises(ValueError, match=r"model\.arch='nope'"):
-        TinyModel(arch="nope").load()
+        TinyModel(arch="nope")
     with pytest.raises(ValueError, match=r"model\.dtype='float8'"):
-        TinyModel(arch="qwen3", dtype="float8").load()
+        TinyModel(arch="qwen3", dtype="float8")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from gspo_lab.models.tokenizer import char_tokenizer
 
@@ -44,6 +44,11 @@ class TinyModel:
     dtype: str = "float32"
     gradient_checkpointing: bool = False
     experts_implementation: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.arch not in CONFIG_MAPPING:
+            raise ValueError(f"model.arch={self.arch!r} is not a transformers model_type (e.g. qwen3_moe, mixtral)")
+        _dtype(self.dtype, "model.dtype")
 
     def load(self):
         tokenizer = char_tokenizer()
@@ -85,9 +90,13 @@ class PretrainedModel:
     gradient_checkpointing: bool = False
     experts_implementation: str | None = None
 
-    def load(self):
+    def __post_init__(self) -> None:
+        _dtype(self.dtype, "model.dtype")
         if self.path is None:
             raise ValueError("model.path is not set: model=hf needs model.path=/path/to/checkpoint")
+        _check_checkpoint_dir(Path(self.path).expanduser())
+
+    def load(self):
         return self.load_from(self.path)
 
     def load_from(self, path: str | Path):
@@ -97,11 +106,7 @@ class PretrainedModel:
 def load_pretrained(path, dtype="float32", gradient_checkpointing=False, experts_implementation=None):
     """Model and tokenizer from a local `save_pretrained` folder (left padding, a pad token guaranteed)."""
     path = Path(path).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model.path={str(path)!r} is not a checkpoint folder: no config.json there "
-            "(model=hf loads local files only; save one with save_pretrained)"
-        )
+    _check_checkpoint_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -111,6 +116,14 @@ def load_pretrained(path, dtype="float32", gradient_checkpointing=False, experts
         kwargs["experts_implementation"] = experts_implementation
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return _finish(model, gradient_checkpointing), tokenizer
+
+
+def _check_checkpoint_dir(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path={str(path)!r} is not a checkpoint folder: no config.json there "
+            "(model=hf loads local files only; save one with save_pretrained)"
+        )
 
 
 def _finish(model: PreTrainedModel, gradient_checkpointing: bool) -> PreTrainedModel:

@@ -1,0 +1,198 @@
+"""Reliability: bad settings fail early and clearly, NaN updates are skipped and counted, a reward function
+that raises is survived, SIGTERM stops a real run with a checkpoint it resumes from exactly, and
+checkpoints load without running pickled code."""
+
+import csv
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gspo_lab.module import TooManySkippedUpdates
+from gspo_lab.tasks import Arithmetic
+from gspo_lab.train import ConfigError, build, plan, resolve_checkpoint, train
+
+TIMING = ("time/", "throughput/")
+
+
+def rows_of(path):
+    with open(path, newline="") as file:
+        return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in csv.DictReader(file)]
+
+
+BAD_VALUES = {
+    "rollout.group_size": st.integers(-5, 1),
+    "rollout.prompts_per_step": st.integers(-5, 0),
+    "rollout.max_new_tokens": st.integers(-5, 0),
+    "rollout.temperature": st.sampled_from([0.0, -1.0, -0.5]),
+    "rollout.top_p": st.sampled_from([0.0, 1.5, -0.1]),
+    "train.minibatches": st.sampled_from([0, 3, 5, 7, 1000]),  # 128 completions: must divide them
+    "train.steps": st.integers(-3, 0),
+    "objective.clip_low": st.sampled_from([0.0, -0.1, 1.0, 2.5]),
+    "objective.clip_high": st.sampled_from([0.0, -0.2]),
+    "routing.replay": st.sampled_from(["on", "r1", "R2"]),
+}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), key=st.sampled_from(sorted(BAD_VALUES)))
+def test_bad_values_fail_before_anything_heavy_naming_key_value_and_rule(data, key, compose, tmp_path):
+    value = data.draw(BAD_VALUES[key])
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r}") + ".*(must|is invalid)"):
+        plan(compose([f"{key}={value}", f"paths.output_dir={tmp_path}"]))
+
+
+def run_cli(args, cwd, **kwargs):
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, "-m", "gspo_lab.train", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300, **kwargs)
+
+
+def test_cli_prints_the_rule_on_its_last_line_without_a_traceback(tmp_path):
+    result = run_cli(["rollout.group_size=1", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "gspo-train: invalid configuration: rollout.group_size=1 is invalid: must be an integer >= 2")
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("group, option", [("algorithm", "ppo"), ("task", "gsm8k"), ("model", "llama70b")])
+def test_unknown_choices_list_the_valid_ones(group, option, tmp_path):
+    result = run_cli([f"{group}={option}", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert result.returncode != 0
+    assert f"Could not find '{group}/{option}'" in result.stderr
+    assert f"Available options in '{group}'" in result.stderr
+
+
+def nan_in_training_forwards(module, times: int | None):
+    """A fault: the LM head returns NaN in gradient-carrying forwards (not in generation), `times` times."""
+    calls = {"left": times}
+
+    def hook(head, args, output):
+        if torch.is_grad_enabled() and (calls["left"] is None or calls["left"] > 0):
+            if calls["left"] is not None:
+                calls["left"] -= 1
+            return output * float("nan")
+        return output
+
+    return module.model.get_output_embeddings().register_forward_hook(hook)
+
+
+def test_a_nan_update_is_skipped_and_counted(compose, rl_overrides, tmp_path):
+    run, module, _ = build(compose(rl_overrides))
+    nan_in_training_forwards(module, times=1)
+    run.trainer.fit(module)
+    first, second = module.history[0], module.history[1]
+    assert first["train/skipped_updates"] == 1 and second["train/skipped_updates"] == 0
+    assert all(torch.isfinite(p).all() for p in module.model.parameters())
+
+
+def test_consecutive_nan_updates_stop_the_run_with_a_checkpoint(compose, rl_overrides, tmp_path):
+    run, module, _ = build(compose(rl_overrides + ["train.max_consecutive_skips=3", "train.steps=5"]))
+    before = {k: v.clone() for k, v in module.model.state_dict().items()}
+    nan_in_training_forwards(module, times=None)
+    with pytest.raises(TooManySkippedUpdates, match="3 consecutive updates were skipped.*checkpoint"):
+        run.trainer.fit(module)
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    for key, value in before.items():  # the last good weights, not NaN ones
+        assert torch.equal(checkpoint["state_dict"][f"model.{key}"], value), key
+
+
+class FlakyArithmetic(Arithmetic):
+    """A user's reward function with a bug: it raises on completions containing '7'."""
+
+    def reward(self, example, completion):
+        if "7" in completion:
+            raise KeyError("bug in the reward function")
+        return super().reward(example, completion)
+
+
+@pytest.mark.parametrize("policy", ["zero", "raise"])
+def test_a_reward_function_that_raises(policy, compose, rl_overrides, caplog):
+    run, module, _ = build(compose(rl_overrides + [f"train.on_reward_error={policy}"]))
+    module.task = FlakyArithmetic(format_weight=0.5, eval_size=32)
+    torch.manual_seed(0)
+    if policy == "raise":
+        with pytest.raises(RuntimeError, match="reward raised on prompt"):
+            run.trainer.fit(module)
+        return
+    run.trainer.fit(module)
+    assert module.history[-2]["reward/errors"] > 0
+    assert "bug in the reward function" in caplog.text and "completion" in caplog.text
+
+
+def test_sigterm_stops_a_real_run_and_it_resumes_exactly(rl_overrides, tmp_path):
+    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + [
+        "train.steps=12", "train.eval_every=4", "train.lr=1e-4"]
+    whole = run_cli(overrides + [f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    stopped_dir = tmp_path / "stopped"
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    process = subprocess.Popen([sys.executable, "-m", "gspo_lab.train", *overrides, f"hydra.run.dir={stopped_dir}"],
+                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = stopped_dir / "metrics.csv"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 4):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "stopped by SIGTERM" in stderr and (stopped_dir / "checkpoints" / "last.ckpt").is_file()
+    done = len(rows_of(metrics))
+    assert 3 <= done < 12  # it really stopped mid-way
+    resumed = run_cli(overrides + [f"hydra.run.dir={stopped_dir}", "ckpt_path=last"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = rows_of(metrics)
+    assert [int(r["step"]) for r in rows] == list(range(13))  # no duplicate, no gap (12 steps + final eval)
+    assert rows == rows_of(tmp_path / "whole" / "metrics.csv")
+
+
+def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"ckpt_path='last': no checkpoints/last.ckpt in .*hydra.run.dir"):
+        resolve_checkpoint("last", tmp_path)
+
+
+def test_a_truncated_checkpoint_names_the_file(tmp_path):
+    path = tmp_path / "cut.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1000)}}, path)
+    path.write_bytes(path.read_bytes()[:500])
+    with pytest.raises(ConfigError, match=r"cut\.ckpt is not a readable checkpoint"):
+        resolve_checkpoint(str(path), tmp_path)
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {MARKER}",))
+
+
+MARKER = "/tmp/gspo-lab-pickle-exploit-ran"
+
+
+def test_a_pickle_with_code_is_refused_without_running_it(tmp_path):
+    if os.path.exists(MARKER):
+        os.remove(MARKER)
+    path = tmp_path / "evil.ckpt"
+    path.write_bytes(pickle.dumps({"state_dict": Exploit()}))
+    with pytest.raises(ConfigError, match="evil.ckpt is not a readable checkpoint"):
+        resolve_checkpoint(str(path), tmp_path)
+    assert not os.path.exists(MARKER)
+
+
+def test_non_finite_weights_are_never_written(compose, rl_overrides):
+    _, module, _ = build(compose(rl_overrides))
+    with torch.no_grad():
+        next(module.model.parameters()).fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="refusing to write a checkpoint with non-finite weights"):
+        module.on_save_checkpoint({})
+
+
+def test_whole_run_still_passes_after_the_refactor(compose, rl_overrides):
+    assert train(compose(rl_overrides))["steps"] == 2
