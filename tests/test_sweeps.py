@@ -12,7 +12,9 @@ from omegaconf import OmegaConf
 from gspo_lab import CONFIG_DIR
 from gspo_lab.report.study import FIGURES, main as report_main
 
-STUDIES = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
+EXPERIMENTS = {p.stem: OmegaConf.load(p) for p in sorted((Path(CONFIG_DIR) / "experiment").glob("*.yaml"))}
+STUDIES = sorted(name for name, cfg in EXPERIMENTS.items() if OmegaConf.select(cfg, "hydra.sweeper.params"))
+SINGLE_RUNS = sorted(set(EXPERIMENTS) - set(STUDIES))
 TINY = ["model.config.hidden_size=64", "model.config.moe_intermediate_size=32", "train.steps=1",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4", "task.eval_size=8",
         "callbacks.progress.refresh_rate=0"]
@@ -28,14 +30,24 @@ def finished_runs(sweep: Path) -> list[Path]:
     return sorted(p.parent for p in sweep.glob("*/summary.json"))
 
 
-def test_every_study_is_tested():
+def test_every_experiment_is_tested():
     assert STUDIES == ["clip_range", "expert_volatility", "group_size", "length_norm", "off_policy", "paper_main",
                        "routing_replay"]
+    assert SINGLE_RUNS == ["bench_anchor"]
+
+
+@pytest.mark.parametrize("experiment", SINGLE_RUNS)
+def test_single_run_experiment_runs_one_tiny_step(experiment, tmp_path):
+    result = gspo_train([f"experiment={experiment}", "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}",
+                         "model.config.num_hidden_layers=1", "callbacks.progress.refresh_rate=0"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "run" / "metrics.csv") as file:
+        assert len(file.read().splitlines()) == 2  # header and the one step (no evaluation row)
 
 
 @pytest.mark.parametrize("study", STUDIES)
 def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
-    swept = OmegaConf.load(Path(CONFIG_DIR) / "experiment" / f"{study}.yaml").hydra.sweeper.params
+    swept = EXPERIMENTS[study].hydra.sweeper.params
     tiny = [o for o in TINY + ["model.config.num_hidden_layers=1"] if o.split("=")[0] not in swept]
     result = gspo_train(["-m", f"experiment={study}", "seed=0", "sft.enabled=false", "hydra/launcher=basic",
                          f"hydra.sweep.dir={tmp_path / 'sweep'}", f"paths.cache_dir={tmp_path / 'cache'}", *tiny],

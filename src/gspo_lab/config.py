@@ -71,7 +71,8 @@ class TrainConfig:
         lr: learning rate, read by the optimizer config.
         grad_clip: max gradient norm; 0 disables clipping.
         shuffle_rewards: negative control: shuffle rewards across the rollout batch before advantages.
-        eval_every: RL steps between held-out evaluations (also at step 0 and after the last step).
+        eval_every: RL steps between held-out evaluations (also at step 0 and after the last step); 0 never
+            evaluates (benchmarks).
         ckpt_every: RL steps between checkpoints (last.ckpt is always kept).
         logprob_chunk_rows: rows per chunk of the log-prob computation (bounds its memory).
         max_consecutive_skips: stop the run after this many updates in a row skipped for NaN/Inf.
@@ -93,8 +94,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.on_reward_error in ("zero", "raise"), "train.on_reward_error", self.on_reward_error,
                  "must be one of ['zero', 'raise']")
-        for key in ("steps", "minibatches", "eval_every", "ckpt_every", "logprob_chunk_rows", "max_consecutive_skips"):
+        for key in ("steps", "minibatches", "ckpt_every", "logprob_chunk_rows", "max_consecutive_skips"):
             _positive_int(f"train.{key}", getattr(self, key))
+        _positive_int("train.eval_every", self.eval_every, minimum=0)
         _require(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, "train.lr", self.lr,
                  "must be a finite number > 0")
         _require(isinstance(self.grad_clip, (int, float)) and self.grad_clip >= 0, "train.grad_clip", self.grad_clip,

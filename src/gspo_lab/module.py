@@ -108,10 +108,11 @@ class RLModule(L.LightningModule):
         step = self.rl_step
         torch.manual_seed(self.seed * 1_000_003 + step * 1_009 + self.global_rank)
         metrics: dict[str, float] = {}
-        if step % self.train_cfg.eval_every == 0:
+        evaluating = self.train_cfg.eval_every > 0
+        if evaluating and step % self.train_cfg.eval_every == 0:
             metrics["eval/accuracy"] = self.evaluate()
         started = time.perf_counter()
-        batch = self.collect_rollout(step)
+        batch = self.collect_rollout(step, metrics)
         rolled = time.perf_counter()
         metrics.update(self.update(batch))
         updated = time.perf_counter()
@@ -126,19 +127,26 @@ class RLModule(L.LightningModule):
         self.rl_step += 1
         self.log_step(step, metrics)
         if self.rl_step == self.train_cfg.steps:
-            self.log_step(self.rl_step, {"eval/accuracy": self.evaluate()})
+            final = {"eval/accuracy": self.evaluate()} if evaluating else {}
+            if self.trainer.world_size > 1:
+                final["params/rank_spread"] = self.rank_spread()
+            if final:
+                self.log_step(self.rl_step, final)
             self.trainer.should_stop = True
 
-    def collect_rollout(self, step: int) -> RolloutBatch:
+    def collect_rollout(self, step: int, metrics: dict[str, float]) -> RolloutBatch:
+        """This rank's rollout batch; adds time/generate_s and time/old_logprobs_s to `metrics`."""
         cfg = self.rollout_cfg
         examples = self.prompts.for_step(step, self.global_rank, self.trainer.world_size)
         grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
+        started = time.perf_counter()
         with self.routing.generation():
             completions = generate(
                 self.model, self.tokenizer, [e.prompt for e in grouped], cfg.max_new_tokens,
                 temperature=cfg.temperature, top_p=cfg.top_p, suppress_eos=cfg.suppress_eos,
                 return_logprobs=cfg.logprobs_from_generation,
             )
+        metrics["time/generate_s"] = time.perf_counter() - started
         rewards = torch.tensor([self.score(e, text) for e, text in zip(grouped, completions.texts)])
         if self.train_cfg.shuffle_rewards:  # negative control: rewards no longer belong to their completions
             rewards = rewards[torch.randperm(len(rewards))]
@@ -156,10 +164,12 @@ class RLModule(L.LightningModule):
             truncated=completions.truncated,
             routing_trace=self.routing.generation_trace(completions.prompt_ids.shape[1], input_ids.shape[1]),
         ).to(self.device)
+        started = time.perf_counter()
         if batch.old_logp is None:
             with torch.no_grad(), self.routing.old_policy(batch) as trace:
                 batch.old_logp, _ = self.logprobs(batch)
             batch.routing_trace = trace[0]
+        metrics["time/old_logprobs_s"] = time.perf_counter() - started
         return batch
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -245,9 +255,17 @@ class RLModule(L.LightningModule):
             )
         return 1
 
+    def rank_spread(self) -> float:
+        """Largest difference of any parameter tensor's sum between ranks (0 when DDP keeps them identical)."""
+        sums = torch.stack([p.detach().double().sum() for p in self.model.parameters()])  # [n_tensors]
+        gathered = self.all_gather(sums)  # [world, n_tensors]
+        return (gathered - gathered[0]).abs().max().item()
+
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         lengths = batch.attention_mask[:, -batch.completion_len :].sum(-1).float()
         return {
+            "rollout/completions": float(len(batch.rewards)),  # this rank's; the mean over ranks is logged
+            "rollout/width": float(batch.input_ids.shape[1]),  # padded prompt + completion positions per row
             "reward/mean": batch.rewards.mean().item(),
             "reward/std": batch.rewards.std(unbiased=False).item(),
             "reward/frac_zero_std": frac_zero_std(batch.rewards, self.rollout_cfg.group_size).item(),
