@@ -120,14 +120,19 @@ class RoutingConfig:
     Args:
         replay: "off"; "r2" records experts in the old-policy forward and replays them in training forwards;
             "r3" records them during generation and replays them in both. YAML's bare `off` (false) means "off".
+        diagnostics_rows: rows of the rollout batch (the first, so whole groups) on which routing/changed_frac
+            is measured after each step's updates; null measures all rows (one more no-grad forward of the batch).
     """
 
     replay: str = "off"
+    diagnostics_rows: int | None = 32
 
     def __post_init__(self) -> None:
         if self.replay is False:
             self.replay = "off"
         _require(self.replay in REPLAY_MODES, "routing.replay", self.replay, f"must be one of {list(REPLAY_MODES)}")
+        if self.diagnostics_rows is not None:
+            _positive_int("routing.diagnostics_rows", self.diagnostics_rows)
 
     def check_against(self, rollout: RolloutConfig) -> None:
         _require(not (self.replay == "r2" and rollout.logprobs_from_generation), "routing.replay", self.replay,

@@ -70,7 +70,8 @@ class RLModule(L.LightningModule):
         self.model.train()  # from_pretrained returns eval mode; old and new log-probs use the same mode
         self.objective, self.advantage, self.optimizer_factory = objective, advantage, optimizer
         self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
-        self.routing = RoutingReplay(model, routing.replay, record_generation=rollout.logprobs_from_generation)
+        self.routing = RoutingReplay(model, routing.replay, record_generation=rollout.logprobs_from_generation,
+                                     diagnostics_rows=routing.diagnostics_rows)
         self.prompts = PromptSchedule(task, rollout.prompts_per_step, seed)
         self.eval_set = task.eval_examples()
         self.rl_step = 0  # RL steps completed; saved in checkpoints

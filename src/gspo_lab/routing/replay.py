@@ -28,7 +28,8 @@ def is_moe(model: torch.nn.Module) -> bool:
 class RoutingReplay:
     """The module's view of routing for one model and mode; a dense model gets no routing metrics."""
 
-    def __init__(self, model: torch.nn.Module, mode: str, record_generation: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, mode: str, record_generation: bool = False,
+                 diagnostics_rows: int | None = None) -> None:
         if mode not in REPLAY_MODES:
             raise ValueError(f"routing.replay={mode!r} must be one of {list(REPLAY_MODES)}")
         self.model, self.mode = model, mode
@@ -36,6 +37,7 @@ class RoutingReplay:
         if mode != "off" and not self.moe:
             find_routers(model, f"routing.replay={mode}")  # raises: dense or unsupported MoE
         self.record_generation = self.moe and (mode == "r3" or record_generation)
+        self.diagnostics_rows = diagnostics_rows
         self._generation_trace: RoutingTrace | None = None
         self._stats = ReplayStats()
 
@@ -85,9 +87,12 @@ class RoutingReplay:
         self._stats.replayed += stats.replayed
 
     def diagnostics(self, batch, logprobs: Callable) -> dict[str, float]:
-        """Routing change of the rollout batch after its updates (one extra no-grad forward)."""
+        """Routing change of the rollout batch after its updates (one extra no-grad forward of its first
+        `diagnostics_rows` rows)."""
         if not self.moe or batch.routing_trace is None:
             return {}
+        rows = len(batch.rewards) if self.diagnostics_rows is None else min(self.diagnostics_rows, len(batch.rewards))
+        batch = batch.rows(torch.arange(rows, device=batch.input_ids.device))
         with torch.no_grad(), record_routing(self.model) as current:
             logprobs(batch)
         metrics = changed_fraction(batch.routing_trace, current, batch.attention_mask)
