@@ -55,7 +55,7 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     runs = finished_runs(tmp_path / "sweep")
     expected = {"paper_main": 5, "clip_range": 6, "group_size": 4, "length_norm": 2, "routing_replay": 6,
-                "expert_volatility": 4, "off_policy": 4}[study]
+                "expert_volatility": 8, "off_policy": 4}[study]
     assert len(runs) == expected
     assert all((run / "metrics.csv").is_file() for run in runs)
 
