@@ -33,11 +33,12 @@ FIGURES = {  # file -> (metric, y label, log scale, smoothing window)
     "clip_frac.png": ("clip/frac", "clip/frac (log)", True, 10),
     "routing_change.png": ("routing/changed_frac", "routing/changed_frac (log)", True, 10),
 }
-COLUMNS = {  # table column -> summary.json key
+COLUMNS = {  # table column -> summary.json key, or the metrics.csv column averaged over steps
     "final reward": "reward/mean_last",
     "held-out accuracy": "eval/accuracy_after",
     "accuracy gain": None,  # after - before
     "clip/frac": "clip/frac_mean",
+    "routing change": "routing/changed_frac",  # mean over steps; n/a for dense models
 }
 
 
@@ -53,7 +54,11 @@ class Run:
     def value(self, column: str) -> float:
         if column == "accuracy gain":
             return self.summary["eval/accuracy_after"] - self.summary["eval/accuracy_before"]
-        return self.summary[COLUMNS[column]]
+        key = COLUMNS[column]
+        if key in self.summary:
+            return self.summary[key]
+        _, values = series(read_metrics(self.path), key)
+        return statistics.fmean(values) if values else math.nan
 
 
 @dataclass
@@ -109,13 +114,18 @@ def discover(dirs: list[Path]) -> Study:
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
+    if any(math.isnan(v) for v in values):
+        return math.nan, math.nan
     mean = statistics.fmean(values)
     se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
     return mean, se
 
 
 def fmt(mean: float, se: float) -> str:
-    return f"{mean:.3f}" if math.isnan(se) else f"{mean:.3f} ± {se:.3f}"
+    if math.isnan(mean):
+        return "n/a"
+    digits = 3 if abs(mean) >= 0.01 or mean == 0 else 5  # routing change and GRPO's clip fraction are small
+    return f"{mean:.{digits}f}" if math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 
 def table(study: Study, baseline: str | None) -> str:
