@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ FIGURES = {  # file -> (metric, y label, log scale, smoothing window)
     "clip_frac.png": ("clip/frac", "clip/frac (log)", True, 10),
     "routing_change.png": ("routing/changed_frac", "routing/changed_frac (log)", True, 10),
 }
+NUMBER = re.compile(r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)")
 COLUMNS = {  # table column -> summary.json key, or the metrics.csv column averaged over steps
     "final reward": "reward/mean_last",
     "held-out accuracy": "eval/accuracy_after",
@@ -71,10 +73,15 @@ class Study:
         return [r for r in self.runs if r.summary is not None]
 
     def settings(self) -> list[str]:
-        return sorted({r.setting for r in self.complete})
+        """Sorted with numbers compared as numbers (group_size=2 before group_size=16)."""
+        return sorted({r.setting for r in self.complete}, key=natural_key)
 
     def of(self, setting: str) -> list[Run]:
         return sorted((r for r in self.complete if r.setting == setting), key=lambda r: (r.seed is None, r.seed))
+
+
+def natural_key(text: str) -> list:
+    return [(0, float(part), "") if NUMBER.fullmatch(part) else (1, 0.0, part) for part in NUMBER.split(text)]
 
 
 def load_run(path: Path) -> Run:
