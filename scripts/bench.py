@@ -7,8 +7,8 @@ run, same threads, same dtype).
     python scripts/bench.py trainer=gpu model.dtype=bfloat16 ...   # on a GPU node
 
 Model FLOPs per RL step count the matmuls of the active parameters (experts weighted by top-k / experts):
-2 N per token for each forward (generation, old log-probs, routing diagnostics) and 6 N per token for each
-training forward+backward, over the padded [B, width] tokens; attention score FLOPs are left out.
+2 N per token for each forward (generation, old log-probs, the routing diagnostics' rows) and 6 N per token
+for each training forward+backward, over the padded [B, width] tokens; attention score FLOPs are left out.
 """
 
 from __future__ import annotations
@@ -81,7 +81,9 @@ def main() -> None:
                "rollout/completions", "throughput/tokens_per_s")}
     step = median["time/rollout_s"] + median["time/update_s"]
     tokens = median["rollout/completions"] * median["rollout/width"]
-    flops = (2 + 2 + 2 + 6) * active * tokens  # generation, old log-probs, diagnostics, training
+    diagnosed = cfg.routing.diagnostics_rows or median["rollout/completions"]
+    diagnostics_share = min(1.0, diagnosed / median["rollout/completions"])  # its forward covers these rows
+    flops = (2 + 2 + 2 * diagnostics_share + 6) * active * tokens  # generation, old log-probs, diagnostics, training
     rate = matmul_rate(dtype, device)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else resource.getrusage(
         resource.RUSAGE_SELF).ru_maxrss / 1024
