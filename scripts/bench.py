@@ -14,7 +14,6 @@ for each training forward+backward, over the padded [B, width] tokens; attention
 from __future__ import annotations
 
 import argparse
-import math
 import resource
 import statistics
 import tempfile
@@ -25,7 +24,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from gspo_lab import CONFIG_DIR
-from gspo_lab.report.run import read_metrics
+from gspo_lab.report.run import step_rows
 from gspo_lab.train import train
 
 
@@ -75,7 +74,7 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         train(cfg)
-        rows = [r for r in read_metrics(out) if not math.isnan(r.get("time/update_s", math.nan))][2:]
+        rows = step_rows(out, skip=2)
     median = {k: statistics.median(r[k] for r in rows) for k in
               ("time/generate_s", "time/old_logprobs_s", "time/update_s", "time/rollout_s", "rollout/width",
                "rollout/completions", "throughput/tokens_per_s")}

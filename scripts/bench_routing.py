@@ -10,14 +10,13 @@ the cost of recording in generation (r3) and of replay in the old-policy and tra
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import tempfile
 
 from hydra import compose, initialize_config_dir
 
 from gspo_lab import CONFIG_DIR
-from gspo_lab.report.run import read_metrics
+from gspo_lab.report.run import step_rows
 from gspo_lab.train import train
 
 MODES = {"off": ["algorithm=grpo"], "r2": ["algorithm=grpo_rr"], "r3": ["algorithm=grpo", "routing.replay=r3"]}
@@ -27,11 +26,11 @@ def seconds_per_step(mode: str, steps: int, extra: list[str]) -> tuple[float, fl
     """Median (rollout + update) seconds over the run's steps after the first, and trace bytes per token."""
     with tempfile.TemporaryDirectory() as out, initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=MODES[mode] + extra + [
-            f"paths.output_dir={out}", "sft.enabled=false", f"train.steps={steps}", "train.eval_every=100000",
+            f"paths.output_dir={out}", "sft.enabled=false", f"train.steps={steps}", "train.eval_every=0",
             "callbacks.progress.refresh_rate=0", "task.eval_size=8",
         ])
         train(cfg)
-        rows = [r for r in read_metrics(out) if not math.isnan(r.get("time/update_s", math.nan))][1:]
+        rows = step_rows(out, skip=1)
     step = statistics.median(r["time/rollout_s"] + r["time/update_s"] for r in rows)
     return step, rows[-1]["routing/trace_bytes_per_token"]
 

@@ -28,6 +28,11 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
     return sorted(rows, key=lambda row: row["step"])
 
 
+def step_rows(run_dir: str | Path, skip: int = 0) -> list[dict[str, float]]:
+    """The rows of RL steps (not the final evaluation row), after the first `skip` (warm-up)."""
+    return [r for r in read_metrics(run_dir) if not math.isnan(r.get("time/update_s", math.nan))][skip:]
+
+
 def series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of `key` where it was logged."""
     points = [(r["step"], r[key]) for r in rows if not math.isnan(r.get(key, math.nan))]
