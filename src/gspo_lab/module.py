@@ -169,7 +169,7 @@ class RLModule(L.LightningModule):
         if batch.old_logp is None:
             with torch.no_grad(), self.routing.old_policy(batch) as trace:
                 batch.old_logp, _ = self.logprobs(batch)
-            batch.routing_trace = trace[0]
+            batch.routing_trace = trace
         metrics["time/old_logprobs_s"] = time.perf_counter() - started
         return batch
 

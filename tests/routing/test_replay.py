@@ -40,6 +40,20 @@ def rollout(model, tokenizer, n_new=6):
     return ids, mask, out.completion_ids.shape[1], generation_trace
 
 
+def record(model, ids, mask, completion_len):
+    """The experts of one no-grad forward over the batch."""
+    with torch.no_grad(), record_routing(model) as trace:
+        token_logprobs(model, ids, mask, completion_len)
+    return trace
+
+
+def perturb_routers(model):
+    """A large random update to every router's weight."""
+    with torch.no_grad():
+        for _, router, _ in find_routers(model, "test"):
+            router.weight.add_(torch.randn_like(router.weight))
+
+
 @pytest.mark.parametrize("name", MOE_MODELS)
 def test_replay_with_unchanged_weights_is_exact(name):
     model, tok = load(name)
@@ -58,13 +72,9 @@ def test_replay_with_unchanged_weights_is_exact(name):
 def test_after_a_weight_change_replay_keeps_the_recorded_experts(name):
     model, tok = load(name)
     ids, mask, C, _ = rollout(model, tok)
-    with torch.no_grad(), record_routing(model) as old:
-        token_logprobs(model, ids, mask, C)
-    with torch.no_grad():
-        for _, router, _ in find_routers(model, "test"):
-            router.weight.add_(torch.randn_like(router.weight))  # a large update: routing must change
-    with torch.no_grad(), record_routing(model) as natural:
-        token_logprobs(model, ids, mask, C)
+    old = record(model, ids, mask, C)
+    perturb_routers(model)  # a large update: routing must change
+    natural = record(model, ids, mask, C)
     assert changed_fraction(old, natural, mask)["routing/changed_frac"] > 0.1
     # under replay the experts the layers actually use are the recorded ones (seen by an inner recorder)
     with torch.no_grad(), replay_routing(model, old, mask) as stats, record_routing(model) as used:
@@ -77,8 +87,7 @@ def test_after_a_weight_change_replay_keeps_the_recorded_experts(name):
 def test_router_gets_gradient_under_replay(name):
     model, tok = load(name)
     ids, mask, C, _ = rollout(model, tok)
-    with torch.no_grad(), record_routing(model) as trace:
-        token_logprobs(model, ids, mask, C)
+    trace = record(model, ids, mask, C)
     with replay_routing(model, trace):
         logp, _ = token_logprobs(model, ids, mask, C)
         logp.sum().backward()
@@ -93,8 +102,7 @@ def test_generation_trace_lines_up_with_a_full_forward(name):
     # generate never feeds back its last token: the trace covers all but the last column
     assert generation_trace.indices.shape[2] == ids.shape[1] - 1
     generation_trace = generation_trace.extend_to(ids.shape[1])
-    with torch.no_grad(), record_routing(model) as full:
-        token_logprobs(model, ids, mask, C)
+    full = record(model, ids, mask, C)
     valid = mask.bool() & generation_trace.recorded
     same = (generation_trace.indices.sort(-1).values == full.indices.sort(-1).values).all(-1)[:, valid]
     assert same.float().mean() >= 0.99  # KV-cache and full-forward numerics may flip a rare near-tie
@@ -105,11 +113,8 @@ def test_gradient_checkpointing_recomputes_with_the_replayed_experts():
     for checkpointing in (False, True):
         model, tok = load("tiny_moe", gradient_checkpointing=checkpointing)
         ids, mask, C, _ = rollout(model, tok)
-        with torch.no_grad(), record_routing(model) as trace:
-            token_logprobs(model, ids, mask, C)
-        with torch.no_grad():
-            for _, router, _ in find_routers(model, "test"):
-                router.weight.add_(torch.randn_like(router.weight))  # replay now overrides many choices
+        trace = record(model, ids, mask, C)
+        perturb_routers(model)  # replay now overrides many choices
         model.train()
         with replay_routing(model, trace):
             logp, _ = token_logprobs(model, ids, mask, C)
@@ -160,8 +165,7 @@ def test_errors_name_the_model_class():
         RoutingReplay(unknown, "r3")
     model, tok = load("tiny_moe")
     ids, mask, C, _ = rollout(model, tok)
-    with torch.no_grad(), record_routing(model) as trace:
-        token_logprobs(model, ids, mask, C)
+    trace = record(model, ids, mask, C)
     with pytest.raises(ValueError, match="replay needs the same batch rows and columns"), replay_routing(model, trace):
         token_logprobs(model, ids[:2], mask[:2], C)
     with pytest.raises(ValueError, match="nothing was recorded"), record_routing(model):

@@ -3,8 +3,8 @@
     off  the old-policy forward records the experts (for diagnostics only); nothing is replayed
     r2   the old-policy forward records; every training forward of that rollout batch replays
     r3   generation records; the old-policy forward and every training forward replay
-Whatever the mode, after a step's updates one no-grad forward over the rollout batch records the current
-policy's choices and compares them with the old policy's: routing/changed_frac (and per layer),
+Whatever the mode, after a step's updates one no-grad forward over the first `routing.diagnostics_rows` rows
+of the rollout batch records the current policy's choices and compares them with the old policy's: routing/changed_frac (and per layer),
 routing/changed_tokens_frac; under replay also routing/override_frac.
 """
 
@@ -60,18 +60,17 @@ class RoutingReplay:
         return trace.extend_to(length)
 
     @contextmanager
-    def old_policy(self, batch) -> Iterator[list[RoutingTrace | None]]:
-        """Around the old-policy forward; yields a one-item list holding the batch's trace afterwards."""
-        holder = [batch.routing_trace]
+    def old_policy(self, batch) -> Iterator[RoutingTrace | None]:
+        """Around the old-policy forward; yields the batch's trace (filled when the context exits if this
+        forward is the one that records)."""
         if not self.moe:
-            yield holder
+            yield batch.routing_trace
         elif self.mode == "r3":
             with replay_routing(self.model, batch.routing_trace, batch.attention_mask):
-                yield holder
+                yield batch.routing_trace
         else:
             with record_routing(self.model, batch.input_ids.shape[1] - batch.completion_len) as trace:
-                yield holder
-            holder[0] = trace
+                yield trace
 
     def training(self, minibatch):
         """Around a training forward and its backward (gradient checkpointing recomputes inside it)."""
