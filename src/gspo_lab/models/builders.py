@@ -36,7 +36,8 @@ class TinyModel:
             vocabulary size and special-token ids come from the character tokenizer.
         dtype: parameter dtype, "float32" (default), "bfloat16" or "float16".
         gradient_checkpointing: recompute activations in the backward pass.
-        experts_implementation: transformers' MoE expert kernel; "grouped_mm" (fast on CPU) or "eager".
+        experts_implementation: the MoE expert kernel: "index_add" (gspo_lab.models.experts), or
+            transformers' "grouped_mm" or "eager".
     """
 
     arch: str
