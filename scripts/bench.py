@@ -7,8 +7,9 @@ run, same threads, same dtype).
     python scripts/bench.py trainer=gpu model.dtype=bfloat16 ...   # on a GPU node
 
 Model FLOPs per RL step count the matmuls of the active parameters (experts weighted by top-k / experts):
-2 N per token for each forward (generation, old log-probs, the routing diagnostics' rows) and 6 N per token
-for each training forward+backward, over the padded [B, width] tokens; attention score FLOPs are left out.
+2 N per token for each forward (generation, the old log-probs' forward unless they come from generation, the
+routing diagnostics' rows) and 6 N per token for each training forward+backward, over the padded [B, width]
+tokens; attention score FLOPs are left out.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def main() -> None:
     tokens = median["rollout/completions"] * median["rollout/width"]
     diagnosed = cfg.routing.diagnostics_rows or median["rollout/completions"]
     diagnostics_share = min(1.0, diagnosed / median["rollout/completions"])  # its forward covers these rows
-    flops = (2 + 2 + 2 * diagnostics_share + 6) * active * tokens  # generation, old log-probs, diagnostics, training
+    old_forward = 0 if cfg.rollout.logprobs_from_generation else 2  # no second forward when generation gives them
+    flops = (2 + old_forward + 2 * diagnostics_share + 6) * active * tokens  # generation, old, diagnostics, training
     rate = matmul_rate(dtype, device)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else resource.getrusage(
         resource.RUSAGE_SELF).ru_maxrss / 1024

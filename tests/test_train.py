@@ -96,6 +96,16 @@ def test_r2_cannot_take_old_logprobs_from_generation(compose, rl_overrides):
         train(compose(rl_overrides + ["algorithm=grpo_rr", "rollout.logprobs_from_generation=true"]))
 
 
+@pytest.mark.parametrize("from_generation", [True, False])
+def test_an_on_policy_update_sees_sequence_ratios_of_one(from_generation, compose, rl_overrides, tmp_path):
+    """One mini-batch per rollout makes the only update on-policy: every GSPO sequence ratio is 1 up to float
+    rounding (far inside the 3e-4 clip), whether old log-probs come from generation or from a forward."""
+    train(compose(rl_overrides + ["train.minibatches=1", f"rollout.logprobs_from_generation={from_generation}"]))
+    for row in read_rows(tmp_path / "run")[:2]:  # the two RL steps
+        assert abs(float(row["ratio/max"]) - 1) < 1e-5 and abs(float(row["ratio/min"]) - 1) < 1e-5
+        assert float(row["clip/frac"]) == 0
+
+
 def test_old_logprobs_from_generation_run_with_r3(compose, rl_overrides, tmp_path):
     summary = train(compose(rl_overrides + ["rollout.logprobs_from_generation=true", "routing.replay=r3"]))
     assert summary["steps"] == 2 and float(read_rows(tmp_path / "run")[0]["routing/override_frac"]) >= 0

@@ -33,7 +33,8 @@ class RolloutConfig:
         temperature: sampling temperature, applied identically when log-probs are computed.
         top_p: nucleus sampling threshold (1 disables it).
         mask_truncated: leave truncated completions out of the loss.
-        logprobs_from_generation: take old log-probs from generate's logits instead of a second forward.
+        logprobs_from_generation: take old log-probs from generate's logits instead of a second forward
+            (the default; r2 routing replay needs the forward).
         suppress_eos: never sample EOS, so every completion has exactly max_new_tokens (benchmarks).
     """
 
@@ -43,7 +44,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     mask_truncated: bool = False
-    logprobs_from_generation: bool = False
+    logprobs_from_generation: bool = True
     suppress_eos: bool = False
 
     def __post_init__(self) -> None:
