@@ -5,9 +5,14 @@ Both start from the same randomly initialised tiny Qwen3-MoE and character token
 importance sampling, clip 3e-4 / 4e-4, beta 0), on CPU. Both are timed the same way: wall-clock intervals
 between the ends of consecutive RL steps, after `--warmup` steps. gspo-lab additionally runs its routing
 diagnostics forward every step (TRL has none), so the comparison is not tilted in its favour.
+
+TRL runs twice per round: with transformers' default MoE expert kernel (`grouped_mm`, what a TRL user gets)
+and with gspo-lab's own (`index_add`, gspo_lab.models.experts), so the ratio is reported both with and
+without that kernel's share. Extra arguments are Hydra overrides for the gspo-lab side only.
 Needs the `bench` extra: pip install -e ".[bench]".
 
     python scripts/bench_vs_trl.py --steps 8 --rounds 3
+    python scripts/bench_vs_trl.py rollout.logprobs_from_generation=false   # gspo-lab with a second forward
 """
 
 from __future__ import annotations
@@ -57,24 +62,24 @@ class TrlClock(TrainerCallback):
             self.stamps.append(time.perf_counter())
 
 
-def anchor_config(out: str, steps: int):
+def anchor_config(out: str, steps: int, overrides: list[str] = ()):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose("train", overrides=["experiment=bench_anchor", f"train.steps={steps}", f"paths.output_dir={out}",
-                                           "callbacks.progress.refresh_rate=0", "logger=[]"])
+                                           "callbacks.progress.refresh_rate=0", "logger=[]", *overrides])
 
 
-def time_gspo_lab(steps: int, warmup: int) -> float:
+def time_gspo_lab(steps: int, warmup: int, overrides: list[str]) -> float:
     with tempfile.TemporaryDirectory() as out:
-        run, module, _ = build(anchor_config(out, steps))
+        run, module, _ = build(anchor_config(out, steps, overrides))
         clock = LightningClock()
         run.trainer.callbacks.append(clock)
         run.trainer.fit(module)
     return median_interval(clock.stamps, warmup)
 
 
-def time_trl(steps: int, warmup: int, seed: int) -> float:
+def time_trl(steps: int, warmup: int, seed: int, experts: str) -> float:
     with tempfile.TemporaryDirectory() as out:
-        cfg = anchor_config(out, steps)
+        cfg = anchor_config(out, steps, [f"model.experts_implementation={experts}"])
         torch.manual_seed(seed)
         model, tokenizer = instantiate(cfg.model).load()
         task = instantiate(cfg.task)
@@ -104,16 +109,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8, help="RL steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first step intervals not timed")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of the two")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the three runs")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for the gspo-lab side")
     args = parser.parse_args()
-    ours, theirs = [], []
+    times: dict[str, list[float]] = {"gspo-lab": [], "TRL grouped_mm": [], "TRL index_add": []}
     for round_ in range(args.rounds):
-        ours.append(time_gspo_lab(args.steps, args.warmup))
-        theirs.append(time_trl(args.steps, args.warmup, seed=round_))
-        print(f"round {round_}: gspo-lab {ours[-1]:.3f} s/step, TRL {theirs[-1]:.3f} s/step", flush=True)
-    a, b = statistics.median(ours), statistics.median(theirs)
-    print(f"median over {args.rounds} rounds, {torch.get_num_threads()} threads: gspo-lab {a:.3f} s/step, "
-          f"TRL GRPOTrainer {b:.3f} s/step -> gspo-lab is {b / a:.2f}x faster")
+        times["gspo-lab"].append(time_gspo_lab(args.steps, args.warmup, args.overrides))
+        times["TRL grouped_mm"].append(time_trl(args.steps, args.warmup, round_, "grouped_mm"))
+        times["TRL index_add"].append(time_trl(args.steps, args.warmup, round_, "index_add"))
+        print(f"round {round_}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()) + " s/step", flush=True)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    print(f"median over {args.rounds} rounds, {torch.get_num_threads()} threads: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in median.items()) + " s/step")
+    for trl in ("TRL grouped_mm", "TRL index_add"):
+        print(f"  gspo-lab is {median[trl] / median['gspo-lab']:.2f}x faster than {trl}")
 
 
 if __name__ == "__main__":
