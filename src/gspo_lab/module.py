@@ -3,7 +3,7 @@
 One RL step is one `training_step`:
 1. this rank's share of the step's prompts, `group_size` completions each (transformers `generate`);
 2. rewards from the task, group-relative advantages;
-3. old-policy log-probs from a no-grad forward (or from generate's own logits);
+3. old-policy log-probs from generate's own logits (default), or from a no-grad forward;
 4. `train.minibatches` shuffled mini-batches, one optimizer step each, with gradient clipping;
 5. metrics reduced across ranks and written once, with `step` = the RL step.
 The algorithm only chooses the objective (and the routing replay mode). Randomness is re-seeded from

@@ -1,8 +1,10 @@
 """How an RL step uses routing replay, by mode (`routing.replay`), and the routing diagnostics.
 
-    off  the old-policy forward records the experts (for diagnostics only); nothing is replayed
-    r2   the old-policy forward records; every training forward of that rollout batch replays
-    r3   generation records; the old-policy forward and every training forward replay
+    off  the old-policy forward records the experts (for diagnostics only), or generation does when old
+         log-probs come from generation; nothing is replayed
+    r2   the old-policy forward records; every training forward of that rollout batch replays (needs
+         rollout.logprobs_from_generation=false)
+    r3   generation records; the old-policy forward (if any) and every training forward replay
 Whatever the mode, after a step's updates one no-grad forward over the first `routing.diagnostics_rows` rows
 of the rollout batch records the current policy's choices and compares them with the old policy's: routing/changed_frac (and per layer),
 routing/changed_tokens_frac; under replay also routing/override_frac.
