@@ -4,7 +4,7 @@ run, same threads, same dtype).
 
     python scripts/bench.py                       # the anchor workload (conf/experiment/bench_anchor.yaml)
     python scripts/bench.py --workload bench_anchor --steps 20 model.config.num_hidden_layers=8
-    python scripts/bench.py trainer=gpu model.dtype=bfloat16 ...   # on a GPU node
+    python scripts/bench.py --workload bench_gpu trainer=gpu      # on a GPU node: a 334M-parameter MoE in bf16
 
 Model FLOPs per RL step count the matmuls of the active parameters (experts weighted by top-k / experts):
 2 N per token for each forward (generation, the old log-probs' forward unless they come from generation, the

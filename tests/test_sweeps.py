@@ -33,13 +33,15 @@ def finished_runs(sweep: Path) -> list[Path]:
 def test_every_experiment_is_tested():
     assert STUDIES == ["clip_range", "expert_volatility", "group_size", "length_norm", "off_policy", "paper_main",
                        "routing_replay"]
-    assert SINGLE_RUNS == ["bench_anchor"]
+    assert SINGLE_RUNS == ["bench_anchor", "bench_gpu"]
 
 
 @pytest.mark.parametrize("experiment", SINGLE_RUNS)
 def test_single_run_experiment_runs_one_tiny_step(experiment, tmp_path):
+    small = ["model.config.hidden_size=64", "model.config.head_dim=16", "model.config.moe_intermediate_size=32",
+             "rollout.max_new_tokens=8"]  # bench_gpu's 334M model would take minutes here; its shape is what counts
     result = gspo_train([f"experiment={experiment}", "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}",
-                         "model.config.num_hidden_layers=1", "callbacks.progress.refresh_rate=0"], tmp_path)
+                         "model.config.num_hidden_layers=1", "callbacks.progress.refresh_rate=0", *small], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "run" / "metrics.csv") as file:
         assert len(file.read().splitlines()) == 2  # header and the one step (no evaluation row)

@@ -17,9 +17,10 @@ from gspo_lab.rollout import token_logprobs
 MOE_MODELS = ["tiny_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe"]
 
 
-def load(name: str, **config):
+def load(name: str, dtype: str = "float32", **config):
     cfg = OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml")
     cfg.config.update(config)
+    cfg.dtype = dtype
     torch.manual_seed(0)
     return instantiate(cfg).load()
 
@@ -48,6 +49,16 @@ def test_index_add_equals_grouped_mm_bitwise_for_top2(name):
     assert torch.equal(logp, reference_logp)
     assert grads.keys() == reference_grads.keys()
     assert any(".experts." in n for n in grads)  # expert weights did receive gradients
+    for n in grads:
+        assert torch.equal(grads[n], reference_grads[n]), n
+
+
+def test_index_add_equals_grouped_mm_in_bfloat16():
+    """Each token's experts are summed in float32 then rounded once, as grouped_mm does."""
+    model, tokenizer = load("tiny_moe", dtype="bfloat16")
+    logp, grads = logprobs_and_grads(model, tokenizer)
+    reference_logp, reference_grads = logprobs_and_grads(with_kernel(model, "grouped_mm"), tokenizer)
+    assert torch.equal(logp, reference_logp)
     for n in grads:
         assert torch.equal(grads[n], reference_grads[n]), n
 

@@ -8,9 +8,12 @@ differs: pairs are gathered with `index_select` and scattered back with `index_a
 are a plain scatter-add and a gather, where `grouped_mm`'s advanced indexing (`x[perm // k]`,
 `out[inv_perm]`) costs two accumulating `index_put_` in backward. On the anchor workload's forward+backward
 that is ~10% less time, with bitwise-identical outputs and gradients for top-2 routing (a + b is commutative;
-for top-k > 2 the per-token sum may differ in the last bit).
+for top-k > 2 the per-token sum may differ in the last bit). Like `grouped_mm`, each token's experts are
+summed in float32 whatever the model's dtype.
 
-Bias, post-expert norm and expert parallelism are left to transformers' `grouped_mm`, unchanged.
+It is a CPU kernel: on other devices (where `index_add_` with repeated indices is not deterministic and
+`grouped_mm` has real grouped-GEMM kernels), and for bias, post-expert norm or expert parallelism, it hands
+the call to transformers' `grouped_mm` unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ NAME = "index_add"
 def index_add_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                               top_k_weights: Tensor) -> Tensor:
     """hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k] -> the experts' weighted sum [N, H]."""
-    if self.has_bias or self.has_post_expert_norm or self._is_expert_parallel:
+    if hidden_states.device.type != "cpu" or self.has_bias or self.has_post_expert_norm or self._is_expert_parallel:
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     num_top_k = top_k_index.size(-1)
     expert_ids, order = torch.sort(top_k_index.reshape(-1))  # [S = N k] pairs grouped by expert
@@ -36,8 +39,8 @@ def index_add_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_
     out = self._apply_gate(out) if self.has_gate else self.act_fn(out)  # [S, I]
     out = _grouped_linear(out, self.down_proj, offsets, is_transposed=self.is_transposed)  # [S, H]
     out = out * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)  # router weight of each pair
-    summed = torch.zeros(hidden_states.shape, dtype=out.dtype, device=out.device)
-    return summed.index_add_(0, token, out).to(hidden_states.dtype)  # sum_k w_k E_k(x) per token
+    summed = torch.zeros(hidden_states.shape, dtype=torch.float32, device=out.device)
+    return summed.index_add_(0, token, out.float()).to(hidden_states.dtype)  # sum_k w_k E_k(x) per token
 
 
 ALL_EXPERTS_FUNCTIONS.register(NAME, index_add_experts_forward)
