@@ -53,7 +53,7 @@ def measure(method: str, rows: int, length: int, vocab: int, backward: bool, chu
         if backward:
             logp.sum().backward()
     return {"peak_mib": peak_mib() - baseline, "sum": logp.double().sum().item(),
-            "values": logp.detach()[:2, :8].flatten().tolist()}
+            "values": logp.detach().flatten().tolist()}  # every [B, completion] value, compared in full
 
 
 def main() -> None:

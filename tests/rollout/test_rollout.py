@@ -5,6 +5,7 @@ import torch
 
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import PromptSchedule, generate, token_logprobs
+from gspo_lab.rollout.generation import position_ids
 from gspo_lab.tasks import Arithmetic
 
 SMALL = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -54,10 +55,14 @@ def test_chunked_logprobs_equal_a_full_log_softmax_with_gradients(policy, temper
     model.zero_grad()
     reference = full_logsoftmax(model, ids, mask, C, temperature)
     (reference * out.completion_mask).sum().backward()
-    assert torch.allclose(chunked, reference, atol=1e-5)
+    assert torch.equal(chunked, reference)  # the same log_softmax per row: identical values, not just close
     for a, p in zip(chunked_grads, model.parameters()):
         assert torch.allclose(a, p.grad, atol=1e-5)
     assert (entropy >= 0).all() and not entropy.requires_grad
+    # entropy from the full distribution: -sum_v p log p
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, -C - 1 : -1]
+    full = (logits.float() / temperature).log_softmax(-1)
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_logprobs_from_generation_match_the_forward(policy):
