@@ -74,8 +74,6 @@ def test_trainer_options(name, compose, tmp_path):
     cfg = compose([f"trainer={name}", f"paths.output_dir={tmp_path}"])
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
         cfg.trainer.accelerator, cfg.trainer.devices = "cpu", 1  # the rest of the file must still be valid
-        if cfg.trainer.get("strategy") == "fsdp":
-            cfg.trainer.strategy = "auto"
         cfg.trainer.precision = "bf16-mixed"
     assert isinstance(instantiate(cfg.trainer), L.Trainer)
 

@@ -21,6 +21,7 @@ from typing import Callable
 import lightning as L
 import torch
 from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
@@ -29,6 +30,7 @@ from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective, f
 from gspo_lab.objectives.base import masked_mean
 from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, generate, token_logprobs
 from gspo_lab.routing import RoutingReplay
+from gspo_lab.sharding import is_sharded, shard
 from gspo_lab.tasks.base import Example, Task
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,13 @@ class RLModule(L.LightningModule):
 
     # ---- Lightning plumbing -------------------------------------------------------------------------------
 
+    def configure_model(self) -> None:
+        """trainer=fsdp (Lightning's ModelParallelStrategy) gives the module a [nodes, devices] device mesh:
+        shard the policy with FSDP2 within a node and replicate it across nodes. Other strategies give no mesh
+        and leave the model as it is. Every rank still trains on its own share of the prompts."""
+        if self.device_mesh is not None:
+            shard(self.model, self.device_mesh)
+
     def configure_optimizers(self):
         return self.optimizer_factory(self.model.parameters())
 
@@ -88,7 +97,10 @@ class RLModule(L.LightningModule):
         return DataLoader(StepTicks(self.train_cfg.steps), batch_size=None)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(local(p)).all()]
+        if is_sharded(self.model):  # each rank holds its own shards: a bad one anywhere stops every rank
+            anywhere = self.trainer.strategy.reduce_boolean_decision(bool(bad), all=False)  # every rank calls it
+            bad = bad or (["another rank's shard"] if anywhere else [])
         if bad:
             raise FloatingPointError(f"refusing to write a checkpoint with non-finite weights in {bad[:5]}")
         checkpoint["rl_step"] = self.rl_step
@@ -129,7 +141,7 @@ class RLModule(L.LightningModule):
         self.log_step(step, metrics)
         if self.rl_step == self.train_cfg.steps:
             final = {"eval/accuracy": self.evaluate()} if evaluating else {}
-            if self.trainer.world_size > 1:
+            if self.trainer.world_size > 1 and not is_sharded(self.model):  # replicas (DDP) must agree
                 final["params/rank_spread"] = self.rank_spread()
             if final:
                 self.log_step(self.rl_step, final)
@@ -239,7 +251,10 @@ class RLModule(L.LightningModule):
 
     def grad_norm(self) -> torch.Tensor:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP: the norm over all shards
 
     def skip_update(self, reason: str) -> int:
         """Count a skipped update; too many in a row stop the run with a clear message."""
@@ -306,6 +321,11 @@ class RLModule(L.LightningModule):
             "min": self.trainer.strategy.reduce(values.clone(), reduce_op=ReduceOp.MIN),
         }
         return {k: reduced[reduction(k)][i].item() for i, k in enumerate(keys)}
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP parameter, or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def reduction(key: str) -> str:

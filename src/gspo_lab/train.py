@@ -34,6 +34,7 @@ from gspo_lab.loggers import quiet_libraries
 from gspo_lab.module import RLModule, TooManySkippedUpdates
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
+from gspo_lab.sharding import full_state_dict, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +137,9 @@ def train(cfg: DictConfig) -> dict:
     if stop is not None:
         raise Interrupted(stop.received, stop.checkpoint, run.run_dir)
     summary = summarise(module.history, time.perf_counter() - started, algorithm or module.objective.name, str(run.run_dir))
+    weights = full_state_dict(module.model) if is_sharded(module.model) else None  # collective under FSDP
     if trainer.is_global_zero:
-        module.model.save_pretrained(run.run_dir / "final")  # the trained policy: model=hf model.path=<run>/final
+        module.model.save_pretrained(run.run_dir / "final", state_dict=weights)  # model=hf model.path=<run>/final
         tokenizer.save_pretrained(run.run_dir / "final")
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_reward_curve(module.history, run.run_dir / "reward_curve.png", title=run.run_dir.name)
