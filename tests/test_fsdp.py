@@ -6,8 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
+
+from gspo_lab.models import TinyModel
+from gspo_lab.sharding import is_sharded, shard
 
 
 def run_two_processes(overrides: list[str], strategy: list[str], run_dir) -> subprocess.CompletedProcess:
@@ -60,3 +64,12 @@ def test_fsdp_resumes_from_its_checkpoint_to_the_uninterrupted_metrics(rl_overri
     run_two_processes(overrides + ["train.steps=3", "ckpt_path=last"], strategy, part)  # resumed in place
     assert [r["step"] for r in rows(part)] == ["0", "1", "2"]
     assert without_timing(rows(part)) == without_timing(rows(full))  # weights and optimizer state came back
+
+
+def test_tied_embeddings_are_refused_before_anything_is_sharded():
+    model, _ = TinyModel(arch="qwen3", config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                               "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64,
+                                               "tie_word_embeddings": True}).load()
+    with pytest.raises(ValueError, match="trainer=fsdp .* tie_word_embeddings=true"):
+        shard(model, mesh=None)  # refused before the mesh is touched
+    assert not is_sharded(model)
