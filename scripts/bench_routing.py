@@ -1,8 +1,9 @@
 """Routing replay overhead and trace memory: seconds per RL step on the tiny MoE with routing.replay off,
 r2 and r3, alternated in one process so drift hits every mode alike, and the trace's bytes per token.
 
-Every mode pays the same routing diagnostics (one recorded no-grad forward per step), so the difference is
-the cost of recording in generation (r3) and of replay in the old-policy and training forwards.
+Every mode pays the same routing diagnostics (one recorded no-grad forward per step) and computes old
+log-probs the same way, with a forward (rollout.logprobs_from_generation=false, which r2 needs), so the
+difference is the cost of recording in generation (r3) and of replay in the old-policy and training forwards.
 
     python scripts/bench_routing.py --steps 30 --repeats 3
 """
@@ -27,7 +28,7 @@ def seconds_per_step(mode: str, steps: int, extra: list[str]) -> tuple[float, fl
     with tempfile.TemporaryDirectory() as out, initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=MODES[mode] + extra + [
             f"paths.output_dir={out}", "sft.enabled=false", f"train.steps={steps}", "train.eval_every=0",
-            "callbacks.progress.refresh_rate=0", "task.eval_size=8",
+            "callbacks.progress.refresh_rate=0", "task.eval_size=8", "rollout.logprobs_from_generation=false",
         ])
         train(cfg)
         rows = step_rows(out, skip=1)
