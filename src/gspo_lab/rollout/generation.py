@@ -26,7 +26,8 @@ class Completions:
 
     def cloned(self) -> Completions:
         """A copy whose tensors are ordinary ones (tensors made under inference mode cannot enter autograd)."""
-        return Completions(*(v.clone() if isinstance(v, Tensor) else v for v in (getattr(self, f.name) for f in fields(self))))
+        values = (getattr(self, f.name) for f in fields(self))
+        return Completions(*(v.clone() if isinstance(v, Tensor) else v for v in values))
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
