@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from gspo_lab import CONFIG_DIR
@@ -87,3 +89,13 @@ def test_report_on_an_empty_dir_fails_clearly(tmp_path, capsys):
         report_main([str(tmp_path)])
     with pytest.raises(SystemExit, match="is not a directory"):
         report_main([str(tmp_path / "missing")])
+
+
+def test_bench_gpu_is_a_few_hundred_million_parameter_moe_in_bf16(compose):
+    cfg = compose(["experiment=bench_gpu"])
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model, _ = instantiate(cfg.model).load()
+    parameters = sum(p.numel() for p in model.parameters())
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and 300e6 < parameters < 400e6  # 334M
+    assert next(model.parameters()).dtype == torch.bfloat16 and model.config.num_experts_per_tok == 4
+    assert cfg.rollout.prompts_per_step * cfg.rollout.group_size == 256 and cfg.rollout.max_new_tokens == 128
