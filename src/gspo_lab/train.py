@@ -102,7 +102,7 @@ def resolve_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:
         where = f"no checkpoints/last.ckpt in {run_dir} (set hydra.run.dir to the run to resume)" if ckpt_path == "last" else "no such file"
         raise ConfigError(f"ckpt_path={ckpt_path!r}: {where}")
     try:
-        torch.load(path, map_location="cpu", weights_only=True)
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # checked, not read into memory
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same clear message
         raise ConfigError(f"ckpt_path={ckpt_path!r}: {path} is not a readable checkpoint (corrupt or truncated?): {error}")
     return str(path)
