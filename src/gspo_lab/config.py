@@ -119,8 +119,9 @@ class RoutingConfig:
     """Routing replay for MoE models (GSPO paper section 5.3).
 
     Args:
-        replay: "off"; "r2" records experts in the old-policy forward and replays them in training forwards;
-            "r3" records them during generation and replays them in both. YAML's bare `off` (false) means "off".
+        replay: "off"; "r2" records experts in the old-policy forward and replays them in training forwards
+            (needs rollout.logprobs_from_generation=false); "r3" records them during generation and replays them
+            in the old-policy forward, if any, and the training forwards. YAML's bare `off` (false) means "off".
         diagnostics_rows: rows of the rollout batch (the first, so whole groups) on which routing/changed_frac
             is measured after each step's updates; null measures all rows (one more no-grad forward of the batch).
     """
