@@ -33,7 +33,7 @@ from gspo_lab.loggers import quiet_libraries
 from gspo_lab.sft import SFTConfig, SFTModule
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 1  # bump when the SFT procedure changes what it produces
+CACHE_VERSION = 2  # bump when the SFT procedure changes what it produces (2: demonstrations from their own seed stream)
 INFO_FILE = "sft_info.json"
 
 

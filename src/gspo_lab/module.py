@@ -30,6 +30,7 @@ from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective, f
 from gspo_lab.objectives.base import masked_mean
 from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, generate, token_logprobs
 from gspo_lab.routing import RoutingReplay
+from gspo_lab.seeding import RL_SAMPLING, stream_seed
 from gspo_lab.sharding import is_sharded, shard
 from gspo_lab.tasks.base import Example, Task
 
@@ -119,7 +120,7 @@ class RLModule(L.LightningModule):
             self.trainer.should_stop = True
             return
         step = self.rl_step
-        torch.manual_seed(self.seed * 1_000_003 + step * 1_009 + self.global_rank)
+        torch.manual_seed(stream_seed(self.seed, RL_SAMPLING, step, self.global_rank))
         metrics: dict[str, float] = {}
         evaluating = self.train_cfg.eval_every > 0
         if evaluating and step % self.train_cfg.eval_every == 0:

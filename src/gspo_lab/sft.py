@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from gspo_lab.evaluation import accuracy
+from gspo_lab.seeding import SFT_DEMONSTRATIONS, stream_seed
 from gspo_lab.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,12 @@ class Demonstrations(IterableDataset):
     def __iter__(self):
         step = 0
         while True:
-            yield self.batch(self.task.examples("train", self.batch_size, seed=self.seed * 1_000_003 + step))
+            yield self.batch(self.examples(step))
             step += 1
+
+    def examples(self, step: int):
+        """The demonstrations of SFT step `step`, from the cold start's own seed stream."""
+        return self.task.examples("train", self.batch_size, seed=stream_seed(self.seed, SFT_DEMONSTRATIONS, step))
 
     def batch(self, examples) -> dict[str, torch.Tensor]:
         tok = self.tokenizer

@@ -1,13 +1,15 @@
 """Which prompts each RL step uses: a function of (seed, step) only, so resumed and paired runs agree.
 
 Every rank derives the step's `prompts_per_step` prompts from the same seed and keeps its own contiguous
-share, so each group stays on one rank and no prompt is seen twice in a step.
+share, so each group stays on one rank and no prompt is seen twice in a step. The seed is the RL-prompt
+stream's own (`gspo_lab.seeding`), so RL does not replay the cold start's demonstrations.
 """
 
 from __future__ import annotations
 
 from torch.utils.data import Dataset
 
+from gspo_lab.seeding import RL_PROMPTS, stream_seed
 from gspo_lab.tasks.base import Example, Task
 
 
@@ -16,7 +18,7 @@ class PromptSchedule:
         self.task, self.prompts_per_step, self.seed = task, prompts_per_step, seed
 
     def for_step(self, step: int, rank: int = 0, world_size: int = 1) -> list[Example]:
-        examples = self.task.examples("train", self.prompts_per_step, seed=self.seed * 1_000_003 + step)
+        examples = self.task.examples("train", self.prompts_per_step, seed=stream_seed(self.seed, RL_PROMPTS, step))
         share = self.prompts_per_step // world_size
         return examples[rank * share : (rank + 1) * share]
 
