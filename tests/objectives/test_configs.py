@@ -1,7 +1,10 @@
 """The objective and advantage YAMLs instantiate through Hydra with the paper's values, and clip_scale
 scales the clip range."""
 
+import math
+
 import pytest
+import torch
 from hydra.utils import instantiate
 
 from gspo_lab.objectives import GRPO, GSPO, GroupAdvantage, GSPOToken
@@ -20,3 +23,17 @@ def test_objective_yaml_has_the_paper_clip_range(algorithm, cls, paper_clip, com
 
 def test_advantage_yaml_instantiates(base_cfg):
     assert instantiate(base_cfg.advantage) == GroupAdvantage("group", 1e-6)
+
+
+def test_dr_grpo_normaliser_is_the_generation_budget_whatever_the_batch_width(compose):
+    """With length_norm=false the loss divides by B x max_len; max_len defaults to rollout.max_new_tokens, so
+    a rollout whose completions happen to be shorter (a narrower padded batch) keeps the same normaliser."""
+    cfg = compose(["algorithm=grpo", "objective.length_norm=false", "rollout.max_new_tokens=12"])
+    obj = instantiate(cfg.objective)
+    assert obj.max_len == 12
+    logp, old = torch.tensor([[-0.9, -1.2]]), torch.tensor([[-1.0, -1.0]])  # log-ratios 0.1, -0.2: unclipped
+    narrow = obj(logp, old, torch.tensor([1.0]), torch.ones(1, 2)).loss
+    wide = obj(torch.cat([logp, torch.zeros(1, 3)], 1), torch.cat([old, torch.zeros(1, 3)], 1), torch.tensor([1.0]),
+               torch.tensor([[1, 1, 0, 0, 0]])).loss
+    assert narrow.item() == pytest.approx(-(math.exp(0.1) + math.exp(-0.2)) / 12)  # Σ w A / (1 x 12)
+    assert wide.item() == narrow.item()
