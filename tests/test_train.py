@@ -6,8 +6,12 @@ import json
 
 import pytest
 import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 
+from gspo_lab import CONFIG_DIR
 from gspo_lab.cold_start import policy_from_config
 from gspo_lab.train import train
 
@@ -109,3 +113,22 @@ def test_an_on_policy_update_sees_sequence_ratios_of_one(from_generation, compos
 def test_old_logprobs_from_generation_run_with_r3(compose, rl_overrides, tmp_path):
     summary = train(compose(rl_overrides + ["rollout.logprobs_from_generation=true", "routing.replay=r3"]))
     assert summary["steps"] == 2 and float(read_rows(tmp_path / "run")[0]["routing/override_frac"]) >= 0
+
+
+def test_a_run_is_labelled_by_what_runs_not_by_the_algorithm_default(rl_overrides, tmp_path):
+    """`gspo-train objective=grpo` (no `algorithm=`) runs GRPO while Hydra's `algorithm` choice stays at its
+    default, gspo: summary.json and run_info.json must say grpo."""
+    overrides = rl_overrides + ["objective=grpo"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        hydra_cfg = hydra_compose(config_name="train", overrides=overrides, return_hydra_config=True)
+        cfg = hydra_compose(config_name="train", overrides=overrides)
+    assert hydra_cfg.hydra.runtime.choices.algorithm == "gspo"  # what the old label was read from
+    HydraConfig.instance().set_config(hydra_cfg)  # as under gspo-train
+    try:
+        summary = train(cfg)
+    finally:
+        HydraConfig.instance().cfg = None
+    run = tmp_path / "run"
+    assert summary["algorithm"] == "grpo"
+    assert json.loads((run / "summary.json").read_text())["algorithm"] == "grpo"
+    assert json.loads((run / "run_info.json").read_text())["algorithm"] == "grpo"

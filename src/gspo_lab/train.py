@@ -120,11 +120,27 @@ def build(cfg: DictConfig) -> tuple[Plan, RLModule, dict]:
     return run, module, cold_start
 
 
+def algorithm_label(objective: str, replay: str, shuffle_rewards: bool) -> str:
+    """The algorithm a run really is, named from what runs (not from the `algorithm=` choice, which
+    `objective=grpo` on its own leaves at its default): the objective, its routing replay mode (GRPO with r2
+    is the paper's `grpo_rr`) and the shuffled-reward control.
+
+    >>> algorithm_label("grpo", "off", False), algorithm_label("grpo", "r2", False), algorithm_label("gspo", "r3", False)
+    ('grpo', 'grpo_rr', 'gspo+r3')
+    >>> algorithm_label("gspo", "off", True)
+    'gspo_shuffled_rewards'
+    """
+    label = objective
+    if replay != "off":
+        label = "grpo_rr" if (objective, replay) == ("grpo", "r2") else f"{objective}+{replay}"
+    return f"{label}_shuffled_rewards" if shuffle_rewards else label
+
+
 def train(cfg: DictConfig) -> dict:
     """Run one RL experiment; returns its summary (also written to summary.json in the run dir)."""
     run, module, cold_start = build(cfg)
     trainer, tokenizer = run.trainer, module.tokenizer
-    algorithm = HydraConfig.get().runtime.choices.get("algorithm") if HydraConfig.initialized() else None
+    algorithm = algorithm_label(run.objective.name, run.routing.replay, run.train.shuffle_rewards)
     if trainer.is_global_zero:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -136,7 +152,7 @@ def train(cfg: DictConfig) -> dict:
     stop = next((c for c in run.callbacks if isinstance(c, GracefulStop) and c.received), None)
     if stop is not None:
         raise Interrupted(stop.received, stop.checkpoint, run.run_dir)
-    summary = summarise(module.history, time.perf_counter() - started, algorithm or module.objective.name, str(run.run_dir))
+    summary = summarise(module.history, time.perf_counter() - started, algorithm, str(run.run_dir))
     weights = full_state_dict(module.model) if is_sharded(module.model) else None  # collective under FSDP
     if trainer.is_global_zero:
         module.model.save_pretrained(run.run_dir / "final", state_dict=weights)  # model=hf model.path=<run>/final
