@@ -196,3 +196,19 @@ def test_non_finite_weights_are_never_written(compose, rl_overrides):
 
 def test_whole_run_still_passes_after_the_refactor(compose, rl_overrides):
     assert train(compose(rl_overrides))["steps"] == 2
+
+
+def test_reward_errors_are_counted_across_a_resume(compose, rl_overrides, tmp_path):
+    """reward/errors is a running count: a run resumed from a checkpoint must carry it on, not restart at 0."""
+
+    def fit(name, steps, ckpt_path=None):
+        run, module, _ = build(compose(rl_overrides + [f"train.steps={steps}", f"paths.output_dir={tmp_path / name}"]))
+        module.task = FlakyArithmetic(format_weight=0.5, eval_size=32)
+        run.trainer.fit(module, ckpt_path=ckpt_path, weights_only=True)
+        return [row["reward/errors"] for row in module.history if "reward/errors" in row]
+
+    whole = fit("whole", 4)
+    fit("part", 2)
+    resumed = fit("resumed", 4, str(tmp_path / "part" / "checkpoints" / "last.ckpt"))
+    assert whole[1] > 0  # the flaky reward raised in the first two steps
+    assert resumed == whole

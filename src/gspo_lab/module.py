@@ -107,11 +107,13 @@ class RLModule(L.LightningModule):
         checkpoint["rl_step"] = self.rl_step
         checkpoint["history"] = self.history
         checkpoint["consecutive_skips"] = self.consecutive_skips
+        checkpoint["reward_errors"] = self.reward_errors
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.rl_step = checkpoint["rl_step"]
         self.history = [row for row in checkpoint["history"] if row["step"] < self.rl_step]
         self.consecutive_skips = checkpoint["consecutive_skips"]
+        self.reward_errors = checkpoint.get("reward_errors", 0)  # absent from checkpoints written before 2026-11-21
 
     # ---- one RL step --------------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from gspo_lab.tasks import JsonlTask
+from gspo_lab.train import ConfigError, plan
 
 
 def write(path, lines):
@@ -54,3 +55,17 @@ def test_separate_eval_file(tmp_path):
     assert sorted(e.prompt for e in task.examples("train", 2, seed=0)) == ["a", "b"]
     with pytest.raises(ValueError, match="asked for 3 'train' examples but the data holds 2"):
         task.examples("train", 3, seed=0)
+
+
+def test_a_file_too_small_to_hold_out_an_evaluation_set_is_refused_at_once(tmp_path):
+    """Three records at eval_fraction 0.1: the hash split holds none out; before, evaluation later divided by
+    len([]) = 0. Now the task refuses at construction, naming the key, its value and the record count."""
+    path = write(tmp_path / "small.jsonl", [json.dumps({"prompt": p, "answer": "1"}) for p in ("a", "b", "c")])
+    with pytest.raises(ValueError, match=r"task.eval_fraction=0.1 holds out 0 of the 3 records of .*small\.jsonl"):
+        JsonlTask(path=str(path))
+
+
+def test_the_cli_names_the_key_for_a_too_small_file(compose, tmp_path):
+    path = write(tmp_path / "small.jsonl", [json.dumps({"prompt": p, "answer": "1"}) for p in ("a", "b", "c")])
+    with pytest.raises(ConfigError, match="task.eval_fraction=0.1 holds out 0 of the 3 records"):
+        plan(compose(["task=jsonl", f"task.path={path}", f"paths.output_dir={tmp_path}"]))

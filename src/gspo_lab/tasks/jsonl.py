@@ -3,8 +3,8 @@
 Every line is checked when the task is built; a bad line fails with the file, the line number and what is
 wrong. Without `eval_path`, the held-out split is the hash split of `Task` over the file's prompts.
 
->>> task = JsonlTask.from_records([{"prompt": "2+2=", "answer": "4.0"}], match="numeric")
->>> example = task.records[0]
+>>> task = JsonlTask.from_records([{"prompt": f"{i}+{i}=", "answer": f"{2 * i}.0"} for i in range(20)], match="numeric")
+>>> example = task.records[2]
 >>> task.reward(example, "4"), task.reward(example, "4.00"), task.reward(example, "four"), task.reward(example, "1e999")
 (1.0, 1.0, 0.0, 0.0)
 """
@@ -84,6 +84,18 @@ class JsonlTask(Task):
         self.match, self.tolerance = match, tolerance
         self.records = records if records is not None else read_jsonl(path)
         self.eval_records = read_jsonl(eval_path) if eval_path is not None else None
+        if self.eval_records is None:
+            self._check_split(path or "the records given")
+
+    def _check_split(self, source) -> None:
+        """The hash split must leave at least one record on each side, else evaluation would divide by zero."""
+        held_out = len(self.pool("eval"))
+        if held_out == 0 or held_out == len(self.records):
+            raise ValueError(
+                f"task.eval_fraction={self.eval_fraction!r} holds out {held_out} of the {len(self.records)} records of "
+                f"{source}; both the training and the held-out split need at least one record: add records, "
+                "change task.eval_fraction, or give a held-out file with task.eval_path"
+            )
 
     @classmethod
     def from_records(cls, records: list[dict], **kwargs) -> JsonlTask:
