@@ -5,6 +5,7 @@ run, same threads, same dtype).
     python scripts/bench.py                       # the anchor workload (conf/experiment/bench_anchor.yaml)
     python scripts/bench.py --workload bench_anchor --steps 20 model.config.num_hidden_layers=8
     python scripts/bench.py --workload bench_gpu trainer=gpu      # on a GPU node: a 334M-parameter MoE in bf16
+    python scripts/bench.py objective.beta=0.04   # the KL penalty's reference policy: its forward and memory
 
 Model FLOPs per RL step count the matmuls of the active parameters (experts weighted by top-k / experts):
 2 N per token for each forward (generation, the old log-probs' forward unless they come from generation, the
@@ -70,6 +71,7 @@ def main() -> None:
                                           *args.overrides])
         model, _ = instantiate(cfg.model).load()
         active = active_parameters(model)
+        parameter_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         dtype, device = next(model.parameters()).dtype, "cuda" if cfg.trainer.accelerator == "gpu" else "cpu"
         del model
         if device == "cuda":
@@ -93,6 +95,9 @@ def main() -> None:
     print(f"  seconds per RL step   {step:.4f}")
     print(f"    generation          {median['time/generate_s']:.4f}")
     print(f"    old log-probs       {median['time/old_logprobs_s']:.4f}")
+    if cfg.objective.beta > 0:  # a frozen copy of the policy, one no-grad forward per rollout batch
+        reference_s = statistics.median(r["time/ref_logprobs_s"] for r in rows)
+        print(f"    reference log-probs {reference_s:.4f} (part of the rollout; its weights: {parameter_mib:.1f} MiB)")
     print(f"    updates (+diagnostics) {median['time/update_s']:.4f}")
     print(f"  completion tokens/s   {median['throughput/tokens_per_s']:.0f}")
     print(f"  peak memory           {peak:.0f} MiB ({'CUDA allocated' if device == 'cuda' else 'process RSS'})")

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.cold_start import policy_from_config
-from gspo_lab.train import train
+from gspo_lab.train import build, train
 
 CONTRACT_COLUMNS = [
     "step", "reward/mean", "reward/std", "reward/frac_zero_std", "eval/accuracy", "clip/frac", "clip/frac_low",
@@ -132,3 +132,31 @@ def test_a_run_is_labelled_by_what_runs_not_by_the_algorithm_default(rl_override
     assert summary["algorithm"] == "grpo"
     assert json.loads((run / "summary.json").read_text())["algorithm"] == "grpo"
     assert json.loads((run / "run_info.json").read_text())["algorithm"] == "grpo"
+
+
+def test_kl_penalty_to_the_reference_policy_runs_and_changes_the_update(compose, rl_overrides, tmp_path):
+    """objective.beta > 0 builds a frozen copy of the starting policy: kl/ref is exactly 0 at the first update
+    (policy = reference), positive after it, and the penalty changes the next update (its gradient is 0 at
+    ratio 1, so the first update is the same as without it)."""
+    one_update = rl_overrides + ["train.minibatches=1"]
+    summary = train(compose(one_update + ["objective.beta=0.5"]))
+    rows = read_rows(tmp_path / "run")
+    assert float(rows[0]["kl/ref"]) == 0.0 and float(rows[1]["kl/ref"]) > 0
+    assert float(rows[0]["time/ref_logprobs_s"]) > 0 and summary["steps"] == 2
+    train(compose(one_update + [f"paths.output_dir={tmp_path / 'no_kl'}"]))
+    plain = read_rows(tmp_path / "no_kl")
+    assert "kl/ref" not in plain[0] and "time/ref_logprobs_s" not in plain[0]
+    assert plain[0]["grad_norm"] == rows[0]["grad_norm"]  # the same first update...
+    assert plain[1]["loss/total"] != rows[1]["loss/total"]  # ... then the penalty enters the loss
+    model_source = instantiate(compose(one_update).model)
+    with_kl, _ = model_source.load_from(tmp_path / "run" / "final")
+    without, _ = model_source.load_from(tmp_path / "no_kl" / "final")
+    assert any(not torch.equal(a, b) for a, b in zip(with_kl.parameters(), without.parameters()))
+
+
+def test_without_the_kl_penalty_no_reference_is_built(compose, rl_overrides):
+    _, module, _ = build(compose(rl_overrides))
+    assert module.reference is None
+    _, module, _ = build(compose(rl_overrides + ["objective.beta=0.04"]))
+    assert module.reference is not None and not any(p.requires_grad for p in module.reference.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(module.model.parameters(), module.reference.parameters()))

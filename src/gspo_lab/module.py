@@ -3,7 +3,8 @@
 One RL step is one `training_step`:
 1. this rank's share of the step's prompts, `group_size` completions each (transformers `generate`);
 2. rewards from the task, group-relative advantages;
-3. old-policy log-probs from generate's own logits (default), or from a no-grad forward;
+3. old-policy log-probs from generate's own logits (default), or from a no-grad forward; with
+   `objective.beta > 0`, the frozen reference policy's log-probs from one more no-grad forward;
 4. `train.minibatches` shuffled mini-batches, one optimizer step each, with gradient clipping;
 5. metrics reduced across ranks and written once, with `step` = the RL step.
 The algorithm only chooses the objective (and the routing replay mode). Randomness is re-seeded from
@@ -13,6 +14,7 @@ the same seed, draws the same prompts and (while the weights agree) the same sam
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -72,6 +74,8 @@ class RLModule(L.LightningModule):
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.model.train()  # from_pretrained returns eval mode; old and new log-probs use the same mode
         self.objective, self.advantage, self.optimizer_factory = objective, advantage, optimizer
+        # the KL penalty's reference: the starting policy (the cold start, or the initial model), frozen
+        self.reference = frozen_copy(model) if getattr(objective, "beta", 0.0) > 0 else None
         self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
         self.routing = RoutingReplay(model, routing.replay, record_generation=rollout.logprobs_from_generation,
                                      diagnostics_rows=routing.diagnostics_rows)
@@ -90,6 +94,8 @@ class RLModule(L.LightningModule):
         and leave the model as it is. Every rank still trains on its own share of the prompts."""
         if self.device_mesh is not None:
             shard(self.model, self.device_mesh)
+            if self.reference is not None:
+                shard(self.reference, self.device_mesh)
 
     def configure_optimizers(self):
         return self.optimizer_factory(self.model.parameters())
@@ -186,6 +192,11 @@ class RLModule(L.LightningModule):
                 batch.old_logp, _ = self.logprobs(batch)
             batch.routing_trace = trace
         metrics["time/old_logprobs_s"] = time.perf_counter() - started
+        if self.reference is not None:
+            started = time.perf_counter()
+            with torch.no_grad():  # the reference routes with its own routers: replay hooks only the policy's
+                batch.ref_logp, _ = self.logprobs(batch, self.reference)
+            metrics["time/ref_logprobs_s"] = time.perf_counter() - started
         return batch
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -226,7 +237,8 @@ class RLModule(L.LightningModule):
         with self.routing.training(minibatch):
             logp, entropy = self.logprobs(minibatch)
             try:
-                out = self.objective(logp, minibatch.old_logp, minibatch.advantages, minibatch.loss_mask)
+                out = self.objective(logp, minibatch.old_logp, minibatch.advantages, minibatch.loss_mask,
+                                     ref_logp=minibatch.ref_logp)
             except NonFiniteLossError as error:
                 log.warning("RL step %d: %s", self.rl_step, error)
                 out = None
@@ -235,9 +247,10 @@ class RLModule(L.LightningModule):
             self.manual_backward(out.loss)
         return out, entropy
 
-    def logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(self, batch: RolloutBatch, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy of the batch's completion tokens under `model` (default: the policy)."""
         return token_logprobs(
-            self.model, batch.input_ids, batch.attention_mask, batch.completion_len,
+            self.model if model is None else model, batch.input_ids, batch.attention_mask, batch.completion_len,
             self.rollout_cfg.temperature, self.train_cfg.logprob_chunk_rows,
         )
 
@@ -324,6 +337,14 @@ class RLModule(L.LightningModule):
             "min": self.trainer.strategy.reduce(values.clone(), reduce_op=ReduceOp.MIN),
         }
         return {k: reduced[reduction(k)][i].item() for i, k in enumerate(keys)}
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` that never trains: no gradients, and the optimizer never sees it (it only gets
+    `self.model`'s parameters). It is saved in checkpoints, so a resumed run keeps the same reference."""
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

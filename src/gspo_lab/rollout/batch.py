@@ -23,6 +23,7 @@ class RolloutBatch:
     advantages: Tensor  # [B] group-relative
     truncated: Tensor  # [B] bool, no EOS within max_new_tokens
     routing_trace: Any = None  # expert choices to replay (gspo_lab.routing), or None
+    ref_logp: Tensor | None = None  # [B, C] log-probs under the frozen reference policy (objective.beta > 0)
 
     @property
     def completion_len(self) -> int:
