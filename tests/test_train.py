@@ -160,3 +160,13 @@ def test_without_the_kl_penalty_no_reference_is_built(compose, rl_overrides):
     _, module, _ = build(compose(rl_overrides + ["objective.beta=0.04"]))
     assert module.reference is not None and not any(p.requires_grad for p in module.reference.parameters())
     assert all(torch.equal(a, b) for a, b in zip(module.model.parameters(), module.reference.parameters()))
+
+
+@pytest.mark.parametrize("replay", ["algorithm=grpo_rr", "routing.replay=r3"])
+def test_the_reference_routes_with_its_own_routers_under_replay(replay, compose, rl_overrides, tmp_path):
+    """Replay hooks only the policy's routers; the reference computes its own routing, so the KL measures the
+    distance between the two policies as each runs."""
+    train(compose(rl_overrides + [replay, "objective.beta=0.04"]))
+    rows = read_rows(tmp_path / "run")[:2]
+    assert all(float(r["kl/ref"]) >= 0 and float(r["routing/override_frac"]) >= 0 for r in rows)
+    assert float(rows[1]["kl/ref"]) > 0
