@@ -21,10 +21,11 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(VENV)/bin/gspo-train $(ARGS)
 
-# The suite CI runs: everything but tests marked slow.
+# The quick suite for development: everything but the tests marked slow (multi-process and multi-job runs
+# beyond one smoke test of each).
 test: $(STAMP)
 	$(PYTHON) -m pytest -q -m "not slow" $(ARGS)
 
-# Everything, slow tests included.
+# The full suite, slow tests included: what CI runs (.ci/run).
 test-all: $(STAMP)
 	$(PYTHON) -m pytest -q $(ARGS)

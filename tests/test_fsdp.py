@@ -32,6 +32,7 @@ def without_timing(rows_: list[dict[str, str]]) -> list[dict[str, str]]:
     return [{k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))} for row in rows_]
 
 
+@pytest.mark.slow
 def test_fsdp_two_processes_train_the_same_policy_as_ddp(rl_overrides, tmp_path):
     overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + ["train.eval_every=2"]
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
@@ -55,6 +56,7 @@ def test_fsdp_two_processes_train_the_same_policy_as_ddp(rl_overrides, tmp_path)
     assert checkpoint["rl_step"] == 2 and checkpoint["state_dict"]
 
 
+@pytest.mark.slow
 def test_fsdp_resumes_from_its_checkpoint_to_the_uninterrupted_metrics(rl_overrides, tmp_path):
     overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + ["train.eval_every=0"]
     strategy = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.precision=32-true"]

@@ -129,9 +129,10 @@ def test_a_reward_function_that_raises(policy, compose, rl_overrides, caplog):
     assert "bug in the reward function" in caplog.text and "completion" in caplog.text
 
 
-def test_sigterm_stops_a_real_run_and_it_resumes_exactly(rl_overrides, tmp_path):
+@pytest.mark.parametrize("steps", [6, pytest.param(12, marks=pytest.mark.slow)])
+def test_sigterm_stops_a_real_run_and_it_resumes_exactly(steps, rl_overrides, tmp_path):
     overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + [
-        "train.steps=12", "train.eval_every=4", "train.lr=1e-4"]
+        f"train.steps={steps}", f"train.eval_every={steps // 3}", "train.lr=1e-4"]
     whole = run_cli(overrides + [f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path)
     assert whole.returncode == 0, whole.stderr[-2000:]
     stopped_dir = tmp_path / "stopped"
@@ -140,18 +141,18 @@ def test_sigterm_stops_a_real_run_and_it_resumes_exactly(rl_overrides, tmp_path)
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = stopped_dir / "metrics.csv"
     deadline = time.time() + 240
-    while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 4):
+    while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
     assert "stopped by SIGTERM" in stderr and (stopped_dir / "checkpoints" / "last.ckpt").is_file()
     done = len(rows_of(metrics))
-    assert 3 <= done < 12  # it really stopped mid-way
+    assert 2 <= done < steps  # it really stopped mid-way
     resumed = run_cli(overrides + [f"hydra.run.dir={stopped_dir}", "ckpt_path=last"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = rows_of(metrics)
-    assert [int(r["step"]) for r in rows] == list(range(13))  # no duplicate, no gap (12 steps + final eval)
+    assert [int(r["step"]) for r in rows] == list(range(steps + 1))  # no duplicate, no gap (steps + final eval)
     assert rows == rows_of(tmp_path / "whole" / "metrics.csv")
 
 
@@ -192,10 +193,6 @@ def test_non_finite_weights_are_never_written(compose, rl_overrides):
         next(module.model.parameters()).fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="refusing to write a checkpoint with non-finite weights"):
         module.on_save_checkpoint({})
-
-
-def test_whole_run_still_passes_after_the_refactor(compose, rl_overrides):
-    assert train(compose(rl_overrides))["steps"] == 2
 
 
 def test_reward_errors_are_counted_across_a_resume(compose, rl_overrides, tmp_path):

@@ -38,6 +38,7 @@ def test_every_experiment_is_tested():
     assert SINGLE_RUNS == ["bench_anchor", "bench_gpu"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experiment", SINGLE_RUNS)
 def test_single_run_experiment_runs_one_tiny_step(experiment, tmp_path):
     small = ["model.config.hidden_size=64", "model.config.head_dim=16", "model.config.moe_intermediate_size=32",
@@ -49,6 +50,7 @@ def test_single_run_experiment_runs_one_tiny_step(experiment, tmp_path):
         assert len(file.read().splitlines()) == 2  # header and the one step (no evaluation row)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("study", STUDIES)
 def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
     swept = EXPERIMENTS[study].hydra.sweeper.params
@@ -64,6 +66,20 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
     assert all((run / "metrics.csv").is_file() for run in runs)
 
 
+def test_a_sweep_of_two_jobs_runs_both_and_reports(tmp_path):
+    """The smoke test of multirun in `make test`: two parallel joblib jobs, then gspo-report on the sweep."""
+    sweep = tmp_path / "sweep"
+    result = gspo_train(["-m", "algorithm=gspo,grpo", "sft.enabled=false", "hydra/launcher=joblib",
+                         f"hydra.sweep.dir={sweep}", "model.config.num_hidden_layers=1", "train.eval_every=1", *TINY],
+                        tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = finished_runs(sweep)
+    assert [run.name for run in runs] == ["0_algorithm=gspo", "1_algorithm=grpo"]
+    report_main([str(sweep), "--baseline", "algorithm=gspo"])
+    assert "| algorithm=grpo | 1 |" in (sweep / "report.md").read_text()
+
+
+@pytest.mark.slow
 def test_joblib_sweep_survives_a_failed_job_and_reports(tmp_path, cold_start_cache):
     sweep = tmp_path / "sweep"
     result = gspo_train(["-m", "algorithm=gspo,grpo", "seed=0,1", "rollout.temperature=1.0,-1.0",

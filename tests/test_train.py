@@ -110,9 +110,17 @@ def test_an_on_policy_update_sees_sequence_ratios_of_one(from_generation, compos
         assert float(row["clip/frac"]) == 0
 
 
-def test_old_logprobs_from_generation_run_with_r3(compose, rl_overrides, tmp_path):
-    summary = train(compose(rl_overrides + ["rollout.logprobs_from_generation=true", "routing.replay=r3"]))
-    assert summary["steps"] == 2 and float(read_rows(tmp_path / "run")[0]["routing/override_frac"]) >= 0
+@pytest.mark.parametrize("overrides", [["algorithm=grpo_rr"],
+                                       ["algorithm=grpo", "routing.replay=r3", "rollout.logprobs_from_generation=true"]])
+def test_replay_on_the_first_mini_batch_overrides_nothing_and_ratios_are_one(overrides, compose, rl_overrides):
+    """The first mini-batch runs the weights that recorded the experts (the old-policy forward for r2,
+    generation for r3): replay then overrides no expert choice and every GRPO token ratio is 1."""
+    run, module, _ = build(compose(rl_overrides + overrides + ["train.minibatches=1", "train.steps=1"]))
+    run.trainer.fit(module)
+    first = module.history[0]
+    assert first["routing/override_frac"] == 0
+    assert abs(first["ratio/max"] - 1) < 1e-5 and abs(first["ratio/min"] - 1) < 1e-5 and first["clip/frac"] == 0
+    assert first["grad_norm"] > 0  # an update really ran under replay
 
 
 def test_a_run_is_labelled_by_what_runs_not_by_the_algorithm_default(rl_overrides, tmp_path):
@@ -166,7 +174,24 @@ def test_without_the_kl_penalty_no_reference_is_built(compose, rl_overrides):
 def test_the_reference_routes_with_its_own_routers_under_replay(replay, compose, rl_overrides, tmp_path):
     """Replay hooks only the policy's routers; the reference computes its own routing, so the KL measures the
     distance between the two policies as each runs."""
-    train(compose(rl_overrides + [replay, "objective.beta=0.04"]))
-    rows = read_rows(tmp_path / "run")[:2]
-    assert all(float(r["kl/ref"]) >= 0 and float(r["routing/override_frac"]) >= 0 for r in rows)
-    assert float(rows[1]["kl/ref"]) > 0
+    run, module, _ = build(compose(rl_overrides + [replay, "objective.beta=0.04"]))
+    start = [p.clone() for p in module.model.parameters()]
+    run.trainer.fit(module)
+    assert module.history[1]["kl/ref"] > 0 and "routing/override_frac" in module.history[1]
+    assert all(torch.equal(a, b) for a, b in zip(start, module.reference.parameters()))  # frozen
+    assert not all(torch.equal(a, b) for a, b in zip(start, module.model.parameters()))  # while the policy moved
+
+
+@pytest.mark.parametrize("mask_truncated", [True, False])
+def test_mask_truncated_leaves_truncated_completions_out_of_the_loss(mask_truncated, compose, rl_overrides):
+    """With a 3-token budget, the 3- and 4-digit sums plus EOS do not fit: completions are truncated. Masked,
+    each truncated row is an empty row of the loss (mask/empty_rows counts them per mini-batch)."""
+    run, module, _ = build(compose(rl_overrides + ["rollout.max_new_tokens=3", f"rollout.mask_truncated={mask_truncated}"]))
+    run.trainer.fit(module)
+    for row in module.history[:2]:
+        truncated = row["completion/truncated_frac"] * 16  # 4 prompts x 4 completions
+        assert truncated > 0
+        empty = row["mask/empty_rows"] * 2  # the mean over 2 mini-batches -> the total
+        assert empty == (truncated if mask_truncated else 0)
+        tokens, valid = row["completion/len_mean"] * 16, row["mask/valid_tokens"] * 2
+        assert valid < tokens if mask_truncated else valid == pytest.approx(tokens)

@@ -100,3 +100,22 @@ def test_gspo_token_takes_per_token_advantages_and_gspo_refuses_them():
     # constant along valid tokens is one advantage per sequence, padding aside
     constant = torch.tensor([[1.0, 1.0, 7.0], [2.0, 2.0, 2.0]], dtype=torch.float64)
     assert GSPO()(OLD, OLD, constant, MASK).loss.item() == pytest.approx(-1.5)
+
+
+def test_gspo_token_gradient_with_per_token_advantages_hand_computed():
+    """∇J = (1/B) Σ_i (1/|y_i|) Σ_t s_i A_i,t ∇ log π(y_i,t) over tokens whose unclipped branch binds (eq. 17).
+    Row 0: s_0 = exp(-0.1) = 0.904837 inside [0.8, 1.2], A = (+1, -1): both tokens unclipped,
+    d loss / d logp = -(1/2)(1/2) s_0 A = (-0.226209, +0.226209).
+    Row 1: s_1 = exp(0.3) = 1.349859 > 1.2, A = (+2, -1, +0.5): the positive-advantage tokens are clipped
+    (gradient 0); for A = -1, min(-s_1, -1.2) = -s_1 is unclipped: -(1/2)(1/3) s_1 (-1) = s_1 / 6 = 0.224977.
+    Loss: -(1/2)[(1/2)(s_0 - s_0) + (1/3)(1.2 * 2 - s_1 + 1.2 * 0.5)] = -0.2750235."""
+    adv = torch.tensor([[1.0, -1.0, 0.0], [2.0, -1.0, 0.5]], dtype=torch.float64)
+    logp = LOGP.clone().requires_grad_(True)
+    out = GSPOToken(clip_low=0.2, clip_high=0.2)(logp, OLD, adv, MASK)
+    s0, s1 = math.exp(-0.1), math.exp(0.3)
+    assert out.loss.item() == pytest.approx(-(2.4 - s1 + 0.6) / 6, abs=1e-12)
+    out.loss.backward()
+    expected = torch.tensor([[-s0 / 4, s0 / 4, 0.0], [0.0, s1 / 6, 0.0]], dtype=torch.float64)
+    assert torch.allclose(logp.grad, expected, atol=1e-12, rtol=0)
+    assert out.metrics["clip/frac"].item() == pytest.approx(2 / 5)  # row 1's two positive-advantage tokens
+    assert out.metrics["clip/frac_high"].item() == pytest.approx(2 / 5)
