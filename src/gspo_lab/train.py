@@ -27,7 +27,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from gspo_lab import CONFIG_DIR
+from gspo_lab import CONFIG_DIR, SOURCE_ROOT
 from gspo_lab.callbacks import GracefulStop
 from gspo_lab.cold_start import policy_from_config
 from gspo_lab.loggers import quiet_libraries
@@ -128,7 +128,7 @@ def train(cfg: DictConfig) -> dict:
     if trainer.is_global_zero:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        write_run_info(run.run_dir, Path(CONFIG_DIR).parent, {"algorithm": algorithm, "cold_start": cold_start})
+        write_run_info(run.run_dir, SOURCE_ROOT, {"algorithm": algorithm, "cold_start": cold_start})
         for logger in run.loggers:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     started = time.perf_counter()
