@@ -1,6 +1,7 @@
 """Reliability: bad settings fail early and clearly, NaN updates are skipped and counted, a reward function
-that raises is survived, SIGTERM stops a real run with a checkpoint it resumes from exactly, and
-checkpoints load without running pickled code."""
+that raises is survived, SIGTERM stops a real run with a checkpoint it resumes from exactly, SIGUSR1 under
+SLURM also requeues the job and the requeued job resumes by itself, and checkpoints load without running
+pickled code."""
 
 import csv
 import os
@@ -50,10 +51,10 @@ def test_bad_values_fail_before_anything_heavy_naming_key_value_and_rule(data, k
         plan(compose([f"{key}={value}", f"paths.output_dir={tmp_path}"]))
 
 
-def run_cli(args, cwd, **kwargs):
-    env = {**os.environ, "WANDB_MODE": "offline"}
+def run_cli(args, cwd, env=None):
+    env = {**(env or os.environ), "WANDB_MODE": "offline"}
     return subprocess.run([sys.executable, "-m", "gspo_lab.train", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300, **kwargs)
+                          text=True, timeout=300)
 
 
 def test_cli_prints_the_rule_on_its_last_line_without_a_traceback(tmp_path):
@@ -129,30 +130,80 @@ def test_a_reward_function_that_raises(policy, compose, rl_overrides, caplog):
     assert "bug in the reward function" in caplog.text and "completion" in caplog.text
 
 
-def test_sigterm_stops_a_real_run_and_it_resumes_exactly(rl_overrides, tmp_path):
-    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + [
-        "train.steps=12", "train.eval_every=4", "train.lr=1e-4"]
-    whole = run_cli(overrides + [f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path)
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    stopped_dir = tmp_path / "stopped"
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    process = subprocess.Popen([sys.executable, "-m", "gspo_lab.train", *overrides, f"hydra.run.dir={stopped_dir}"],
-                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = stopped_dir / "metrics.csv"
+@pytest.fixture(scope="module")
+def twelve_steps(fast_rl, tmp_path_factory) -> tuple[list[str], list[dict]]:
+    """The overrides of a 12-step run that the signal tests stop mid-way, and the rows it logs uninterrupted."""
+    overrides = fast_rl + ["train.steps=12", "train.eval_every=4", "train.lr=1e-4"]
+    whole = tmp_path_factory.mktemp("whole")
+    result = run_cli(overrides + [f"hydra.run.dir={whole}"], whole)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return overrides, rows_of(whole / "metrics.csv")
+
+
+def stop_after_three_steps(args, run_dir, signum, env=None) -> tuple[int, str]:
+    """Start gspo-train in `run_dir`, send `signum` once it has logged three RL steps; (exit code, stderr)."""
+    env = {**(env or os.environ), "WANDB_MODE": "offline"}
+    process = subprocess.Popen([sys.executable, "-m", "gspo_lab.train", *args, f"hydra.run.dir={run_dir}"],
+                               cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.csv"
     deadline = time.time() + 240
     while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 4):
         time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    return process.returncode, stderr
+
+
+def test_sigterm_stops_a_real_run_and_it_resumes_exactly(twelve_steps, tmp_path):
+    overrides, whole = twelve_steps
+    stopped_dir = tmp_path / "stopped"
+    returncode, stderr = stop_after_three_steps(overrides, stopped_dir, signal.SIGTERM)
+    assert returncode == 128 + signal.SIGTERM, stderr[-2000:]
     assert "stopped by SIGTERM" in stderr and (stopped_dir / "checkpoints" / "last.ckpt").is_file()
+    metrics = stopped_dir / "metrics.csv"
     done = len(rows_of(metrics))
     assert 3 <= done < 12  # it really stopped mid-way
     resumed = run_cli(overrides + [f"hydra.run.dir={stopped_dir}", "ckpt_path=last"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = rows_of(metrics)
     assert [int(r["step"]) for r in rows] == list(range(13))  # no duplicate, no gap (12 steps + final eval)
-    assert rows == rows_of(tmp_path / "whole" / "metrics.csv")
+    assert rows == whole
+
+
+def slurm_job(tmp_path, job_id: str) -> dict[str, str]:
+    """The environment of a one-task SLURM job (enough for Lightning's SLURMEnvironment.detect()), with a fake
+    `scontrol` first on PATH that appends its arguments to tmp_path/scontrol.log."""
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "PATH": f"{fake.parent}{os.pathsep}{env['PATH']}", "SLURM_JOB_ID": job_id, "SLURM_NTASKS": "1",
+            "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "gspo-train"}
+
+
+def timings(path) -> list[str]:
+    """The wall-clock time of each logged RL step: differs between two runs of the same step."""
+    with open(path, newline="") as file:
+        return [r["time/update_s"] for r in csv.DictReader(file) if r["time/update_s"]]
+
+
+def test_sigusr1_under_slurm_checkpoints_requeues_and_the_requeued_job_resumes_exactly(twelve_steps, tmp_path):
+    overrides, whole = twelve_steps
+    job = slurm_job(tmp_path, "4242")
+    run_dir = tmp_path / "slurm-4242"  # what the docs ask for: a run dir that survives the requeue
+    returncode, stderr = stop_after_three_steps(overrides, run_dir, signal.SIGUSR1, job)
+    assert returncode == 128 + signal.SIGUSR1, stderr[-2000:]
+    assert "stopped by SIGUSR1" in stderr and "SLURM job requeued" in stderr
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file() and (run_dir / "hpc_ckpt_1.ckpt").is_file()
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    before = timings(run_dir / "metrics.csv")
+    assert 3 <= len(before) < 12
+    requeued = run_cli(overrides + [f"hydra.run.dir={run_dir}"], tmp_path, job)  # the same command, no ckpt_path
+    assert requeued.returncode == 0, requeued.stderr[-2000:]
+    assert timings(run_dir / "metrics.csv")[: len(before)] == before  # kept: a restart would rewrite them
+    assert rows_of(run_dir / "metrics.csv") == whole
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # a finished job is not requeued
 
 
 def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path):

@@ -46,12 +46,12 @@ class ConfigError(ValueError):
 class Interrupted(RuntimeError):
     """The run stopped on a signal after writing a checkpoint."""
 
-    def __init__(self, signum: int, checkpoint: Path, run_dir: Path) -> None:
+    def __init__(self, signum: int, checkpoint: Path, run_dir: Path, requeued: bool = False) -> None:
         self.signum = signum
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name}; checkpoint {checkpoint}. Resume with: "
-            f"gspo-train <same overrides> hydra.run.dir={run_dir} ckpt_path=last"
-        )
+        resume = (f"SLURM job requeued: started with hydra.run.dir={run_dir} again, it resumes from the hpc_ckpt "
+                  "Lightning wrote there" if requeued else
+                  f"Resume with: gspo-train <same overrides> hydra.run.dir={run_dir} ckpt_path=last")
+        super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint {checkpoint}. {resume}")
 
 
 @dataclass
@@ -135,7 +135,7 @@ def train(cfg: DictConfig) -> dict:
     trainer.fit(module, ckpt_path=run.ckpt_path, weights_only=True)
     stop = next((c for c in run.callbacks if isinstance(c, GracefulStop) and c.received), None)
     if stop is not None:
-        raise Interrupted(stop.received, stop.checkpoint, run.run_dir)
+        raise Interrupted(stop.received, stop.checkpoint, run.run_dir, stop.requeued)
     summary = summarise(module.history, time.perf_counter() - started, algorithm or module.objective.name, str(run.run_dir))
     weights = full_state_dict(module.model) if is_sharded(module.model) else None  # collective under FSDP
     if trainer.is_global_zero:
