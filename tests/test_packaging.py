@@ -16,7 +16,7 @@ import gspo_lab
 from gspo_lab.report.run import git_sha
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILDS_HERE = "--no-build-isolation builds with this venv's setuptools (no network)"
+BUILDS_HERE = "--no-build-isolation builds with this venv's setuptools (no network); `make` installs it"
 
 
 def test_a_checkout_reads_the_configs_from_its_top_level_conf():
@@ -71,7 +71,6 @@ def pip(*args: str) -> None:
                    capture_output=True)
 
 
-@pytest.mark.slow
 def test_a_built_wheel_carries_the_configs_and_runs_from_an_empty_folder(tmp_path):
     pytest.importorskip("setuptools", minversion="77", reason=BUILDS_HERE)
     pip("wheel", str(copy_checkout(tmp_path)), "-w", str(tmp_path / "dist"))
@@ -94,7 +93,6 @@ def test_a_built_wheel_carries_the_configs_and_runs_from_an_empty_folder(tmp_pat
     assert list(empty.iterdir()) == []  # --cfg job only prints; no outputs/ in the user's folder
 
 
-@pytest.mark.slow
 def test_an_editable_install_reads_its_checkouts_conf(tmp_path):
     pytest.importorskip("setuptools", minversion="77", reason=BUILDS_HERE)
     source, target = copy_checkout(tmp_path), tmp_path / "target"
