@@ -40,12 +40,11 @@ def cold_start_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("sft-cache"))
 
 
-@pytest.fixture
-def rl_overrides(tmp_path, tiny, cold_start_cache) -> list[str]:
+@pytest.fixture(scope="session")
+def fast_rl(tiny, cold_start_cache) -> list[str]:
     """A fast RL run: the one-layer model after 60 SFT steps, 4 prompts x 4 completions, 2 mini-batches,
-    a format reward (so groups have reward variance), outputs in this test's tmp_path."""
+    a format reward (so groups have reward variance); outputs go where the test sends them."""
     return tiny + [
-        f"paths.output_dir={tmp_path / 'run'}",
         f"paths.cache_dir={cold_start_cache}",
         "sft.steps=60", "sft.eval_every=60", "sft.eval_size=16", "sft.target_accuracy=1.0", "sft.batch_size=64",
         "task.format_weight=0.5", "task.eval_size=32",
@@ -53,6 +52,12 @@ def rl_overrides(tmp_path, tiny, cold_start_cache) -> list[str]:
         "train.steps=2", "train.minibatches=2", "train.eval_every=1", "train.lr=1e-3",
         "callbacks.progress.refresh_rate=0",
     ]
+
+
+@pytest.fixture
+def rl_overrides(fast_rl, tmp_path) -> list[str]:
+    """The fast RL run with its outputs in this test's tmp_path."""
+    return fast_rl + [f"paths.output_dir={tmp_path / 'run'}"]
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Reliability: bad settings fail early and clearly, NaN updates are skipped and counted, a reward function
-that raises is survived, SIGTERM stops a real run with a checkpoint it resumes from exactly, and
-checkpoints load without running pickled code."""
+that raises is survived, SIGTERM stops a real run with a checkpoint it resumes from exactly, SIGUSR1 under
+SLURM also requeues the job and the requeued job resumes by itself, and checkpoints load without running
+pickled code."""
 
 import csv
 import os
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from gspo_lab.module import TooManySkippedUpdates
 from gspo_lab.tasks import Arithmetic
-from gspo_lab.train import ConfigError, build, plan, resolve_checkpoint, train
+from gspo_lab.train import ConfigError, build, plan, resolve_checkpoint
 
 TIMING = ("time/", "throughput/")
 
@@ -50,10 +51,10 @@ def test_bad_values_fail_before_anything_heavy_naming_key_value_and_rule(data, k
         plan(compose([f"{key}={value}", f"paths.output_dir={tmp_path}"]))
 
 
-def run_cli(args, cwd, **kwargs):
-    env = {**os.environ, "WANDB_MODE": "offline"}
+def run_cli(args, cwd, env=None):
+    env = {**(env or os.environ), "WANDB_MODE": "offline"}
     return subprocess.run([sys.executable, "-m", "gspo_lab.train", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300, **kwargs)
+                          text=True, timeout=300)
 
 
 def test_cli_prints_the_rule_on_its_last_line_without_a_traceback(tmp_path):
@@ -129,31 +130,90 @@ def test_a_reward_function_that_raises(policy, compose, rl_overrides, caplog):
     assert "bug in the reward function" in caplog.text and "completion" in caplog.text
 
 
-@pytest.mark.parametrize("steps", [6, pytest.param(12, marks=pytest.mark.slow)])
-def test_sigterm_stops_a_real_run_and_it_resumes_exactly(steps, rl_overrides, tmp_path):
-    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + [
-        f"train.steps={steps}", f"train.eval_every={steps // 3}", "train.lr=1e-4"]
-    whole = run_cli(overrides + [f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path)
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    stopped_dir = tmp_path / "stopped"
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    process = subprocess.Popen([sys.executable, "-m", "gspo_lab.train", *overrides, f"hydra.run.dir={stopped_dir}"],
-                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = stopped_dir / "metrics.csv"
+@pytest.fixture(scope="module")
+def uninterrupted(fast_rl, tmp_path_factory):
+    """uninterrupted(steps) -> the overrides of a run that the signal tests stop mid-way, and the rows it logs
+    when nothing stops it (run once per module and step count)."""
+    runs = {}
+
+    def run(steps: int) -> tuple[list[str], list[dict]]:
+        overrides = fast_rl + [f"train.steps={steps}", f"train.eval_every={steps // 3}", "train.lr=1e-4"]
+        if steps not in runs:
+            whole = tmp_path_factory.mktemp(f"whole{steps}")
+            result = run_cli(overrides + [f"hydra.run.dir={whole}"], whole)
+            assert result.returncode == 0, result.stderr[-2000:]
+            runs[steps] = rows_of(whole / "metrics.csv")
+        return overrides, runs[steps]
+
+    return run
+
+
+def stop_after_three_steps(args, run_dir, signum, env=None) -> tuple[int, str]:
+    """Start gspo-train in `run_dir`, send `signum` once it has logged three RL steps; (exit code, stderr)."""
+    env = {**(env or os.environ), "WANDB_MODE": "offline"}
+    process = subprocess.Popen([sys.executable, "-m", "gspo_lab.train", *args, f"hydra.run.dir={run_dir}"],
+                               cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.csv"
     deadline = time.time() + 240
-    while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
+    while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 4):
         time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    return process.returncode, stderr
+
+
+@pytest.mark.parametrize("steps", [6, pytest.param(12, marks=pytest.mark.slow)])
+def test_sigterm_stops_a_real_run_and_it_resumes_exactly(steps, uninterrupted, tmp_path):
+    overrides, whole = uninterrupted(steps)
+    stopped_dir = tmp_path / "stopped"
+    returncode, stderr = stop_after_three_steps(overrides, stopped_dir, signal.SIGTERM)
+    assert returncode == 128 + signal.SIGTERM, stderr[-2000:]
     assert "stopped by SIGTERM" in stderr and (stopped_dir / "checkpoints" / "last.ckpt").is_file()
+    metrics = stopped_dir / "metrics.csv"
     done = len(rows_of(metrics))
-    assert 2 <= done < steps  # it really stopped mid-way
+    assert 3 <= done < steps  # it really stopped mid-way
     resumed = run_cli(overrides + [f"hydra.run.dir={stopped_dir}", "ckpt_path=last"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = rows_of(metrics)
     assert [int(r["step"]) for r in rows] == list(range(steps + 1))  # no duplicate, no gap (steps + final eval)
-    assert rows == rows_of(tmp_path / "whole" / "metrics.csv")
+    assert rows == whole
+
+
+def slurm_job(tmp_path, job_id: str) -> dict[str, str]:
+    """The environment of a one-task SLURM job (enough for Lightning's SLURMEnvironment.detect()), with a fake
+    `scontrol` first on PATH that appends its arguments to tmp_path/scontrol.log."""
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "PATH": f"{fake.parent}{os.pathsep}{env['PATH']}", "SLURM_JOB_ID": job_id, "SLURM_NTASKS": "1",
+            "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "gspo-train"}
+
+
+def timings(path) -> list[str]:
+    """The wall-clock time of each logged RL step: differs between two runs of the same step."""
+    with open(path, newline="") as file:
+        return [r["time/update_s"] for r in csv.DictReader(file) if r["time/update_s"]]
+
+
+@pytest.mark.slow
+def test_sigusr1_under_slurm_checkpoints_requeues_and_the_requeued_job_resumes_exactly(uninterrupted, tmp_path):
+    overrides, whole = uninterrupted(12)
+    job = slurm_job(tmp_path, "4242")
+    run_dir = tmp_path / "slurm-4242"  # what the docs ask for: a run dir that survives the requeue
+    returncode, stderr = stop_after_three_steps(overrides, run_dir, signal.SIGUSR1, job)
+    assert returncode == 128 + signal.SIGUSR1, stderr[-2000:]
+    assert "stopped by SIGUSR1" in stderr and "SLURM job requeued" in stderr
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file() and (run_dir / "hpc_ckpt_1.ckpt").is_file()
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    before = timings(run_dir / "metrics.csv")
+    assert 3 <= len(before) < 12
+    requeued = run_cli(overrides + [f"hydra.run.dir={run_dir}"], tmp_path, job)  # the same command, no ckpt_path
+    assert requeued.returncode == 0, requeued.stderr[-2000:]
+    assert timings(run_dir / "metrics.csv")[: len(before)] == before  # kept: a restart would rewrite them
+    assert rows_of(run_dir / "metrics.csv") == whole
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # a finished job is not requeued
 
 
 def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path):

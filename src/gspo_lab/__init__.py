@@ -6,8 +6,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-# conf/ at the repository root (the package is installed editable from src/)
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+PACKAGE_DIR = Path(__file__).resolve().parent
+# A wheel carries the Hydra configs as gspo_lab/conf. Run from a checkout (an editable install, or
+# PYTHONPATH=src) the package has none, and the configs are conf/ at the root of that checkout, the one copy
+# users edit; SOURCE_ROOT is that checkout, and None for an installed wheel.
+SOURCE_ROOT = None if (PACKAGE_DIR / "conf").is_dir() else PACKAGE_DIR.parents[1]
+CONFIG_DIR = str(PACKAGE_DIR / "conf" if SOURCE_ROOT is None else SOURCE_ROOT / "conf")
 
 # ${mul:a,b} and ${idiv:a,b} in configs, e.g. Lightning's optimizer steps = RL steps x mini-batches
 OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)

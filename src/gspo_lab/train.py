@@ -27,7 +27,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from gspo_lab import CONFIG_DIR
+from gspo_lab import CONFIG_DIR, SOURCE_ROOT
 from gspo_lab.callbacks import GracefulStop
 from gspo_lab.cold_start import policy_from_config
 from gspo_lab.loggers import quiet_libraries
@@ -46,12 +46,12 @@ class ConfigError(ValueError):
 class Interrupted(RuntimeError):
     """The run stopped on a signal after writing a checkpoint."""
 
-    def __init__(self, signum: int, checkpoint: Path, run_dir: Path) -> None:
+    def __init__(self, signum: int, checkpoint: Path, run_dir: Path, requeued: bool = False) -> None:
         self.signum = signum
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name}; checkpoint {checkpoint}. Resume with: "
-            f"gspo-train <same overrides> hydra.run.dir={run_dir} ckpt_path=last"
-        )
+        resume = (f"SLURM job requeued: started with hydra.run.dir={run_dir} again, it resumes from the hpc_ckpt "
+                  "Lightning wrote there" if requeued else
+                  f"Resume with: gspo-train <same overrides> hydra.run.dir={run_dir} ckpt_path=last")
+        super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint {checkpoint}. {resume}")
 
 
 @dataclass
@@ -144,14 +144,14 @@ def train(cfg: DictConfig) -> dict:
     if trainer.is_global_zero:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        write_run_info(run.run_dir, Path(CONFIG_DIR).parent, {"algorithm": algorithm, "cold_start": cold_start})
+        write_run_info(run.run_dir, SOURCE_ROOT, {"algorithm": algorithm, "cold_start": cold_start})
         for logger in run.loggers:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     started = time.perf_counter()
     trainer.fit(module, ckpt_path=run.ckpt_path, weights_only=True)
     stop = next((c for c in run.callbacks if isinstance(c, GracefulStop) and c.received), None)
     if stop is not None:
-        raise Interrupted(stop.received, stop.checkpoint, run.run_dir)
+        raise Interrupted(stop.received, stop.checkpoint, run.run_dir, stop.requeued)
     summary = summarise(module.history, time.perf_counter() - started, algorithm, str(run.run_dir))
     weights = full_state_dict(module.model) if is_sharded(module.model) else None  # collective under FSDP
     if trainer.is_global_zero:

@@ -15,7 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-LIBRARIES = ("torch", "transformers", "lightning", "hydra-core", "omegaconf", "wandb", "bitsandbytes", "tokenizers")
+LIBRARIES = ("gspo-lab", "torch", "transformers", "lightning", "hydra-core", "omegaconf", "wandb", "bitsandbytes",
+             "tokenizers")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
@@ -39,7 +40,12 @@ def series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[fl
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def git_sha(repo: Path) -> str:
+def git_sha(repo: Path | None) -> str:
+    """HEAD of the checkout `repo` (with -dirty if tracked files changed); "unknown" for no checkout (an
+    installed wheel), and for a folder that is not the top of a checkout, so a venv that happens to lie inside
+    some other repository never lends it its SHA."""
+    if repo is None or not (repo / ".git").exists():  # .git is a file in a worktree
+        return "unknown"
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
@@ -49,7 +55,7 @@ def git_sha(repo: Path) -> str:
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def write_run_info(run_dir: Path, repo: Path, extra: dict) -> dict:
+def write_run_info(run_dir: Path, repo: Path | None, extra: dict) -> dict:
     versions = {}
     for name in LIBRARIES:
         try:

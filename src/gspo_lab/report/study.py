@@ -80,6 +80,10 @@ class Study:
         return sorted((r for r in self.complete if r.setting == setting), key=lambda r: (r.seed is None, r.seed))
 
 
+class UnknownBaseline(ValueError):
+    """--baseline names no setting of the study; the message lists the settings it could name."""
+
+
 def natural_key(text: str) -> list:
     return [(0, float(part), "") if NUMBER.fullmatch(part) else (1, 0.0, part) for part in NUMBER.split(text)]
 
@@ -135,14 +139,25 @@ def fmt(mean: float, se: float) -> str:
     return f"{mean:.{digits}f}" if math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 
+def choose_baseline(settings: list[str], baseline: str | None) -> str | None:
+    """The setting paired differences are taken against: `baseline` if given (it must be one of `settings`,
+    spelled as the table's first column), else the first setting."""
+    if baseline is None:
+        return settings[0] if settings else None
+    if baseline not in settings:
+        valid = ", ".join(repr(s) for s in settings)
+        raise UnknownBaseline(f"--baseline={baseline!r} matches no setting; the settings are: {valid}")
+    return baseline
+
+
 def table(study: Study, baseline: str | None) -> str:
     settings = study.settings()
+    baseline = choose_baseline(settings, baseline)
     lines = ["| setting | seeds | " + " | ".join(COLUMNS) + " |", "|" + " --- |" * (len(COLUMNS) + 2)]
     for setting in settings:
         runs = study.of(setting)
         cells = [fmt(*mean_se([r.value(c) for r in runs])) for c in COLUMNS]
         lines.append(f"| {setting} | {len(runs)} | " + " | ".join(cells) + " |")
-    baseline = baseline if baseline in settings else (settings[0] if settings else None)
     paired = paired_table(study, baseline)
     return "\n".join(lines) + ("\n\n" + paired if paired else "")
 
@@ -214,8 +229,8 @@ def report(dirs: list[Path], out: Path, baseline: str | None = None) -> str:
              for r in missing]
     if not study.complete:
         raise SystemExit("gspo-report: no finished run (none has summary.json):\n" + "\n".join(notes))
+    text = table(study, baseline)  # before anything is written: a bad --baseline leaves no files
     out.mkdir(parents=True, exist_ok=True)
-    text = table(study, baseline)
     drawn = [name for name, spec in FIGURES.items() if plot(study, *spec, out / name)]
     header = [f"# Report on {', '.join(map(str, dirs))}", "",
               f"{len(study.complete)} finished runs in {len(study.settings())} settings.", ""]
@@ -233,9 +248,14 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", type=Path, help="a multirun dir, or run dirs")
     parser.add_argument("--out", type=Path, help="where report.md and the figures go (default: the first DIR)")
-    parser.add_argument("--baseline", help="the setting the paired differences are taken against")
+    parser.add_argument("--baseline", help="the setting paired differences are taken against, spelled as in the "
+                        "table's first column (default: the first setting)")
     args = parser.parse_args(argv)
-    print(report(args.dirs, args.out or args.dirs[0], args.baseline))
+    try:
+        text = report(args.dirs, args.out or args.dirs[0], args.baseline)
+    except UnknownBaseline as error:
+        parser.exit(2, f"gspo-report: {error}\n")
+    print(text)
     sys.stdout.flush()
 
 
