@@ -3,7 +3,8 @@
 `model=` in the Hydra config instantiates one of the two classes below; `.load()` returns the model and
 its tokenizer. Both are real Hugging Face classes: `AutoModelForCausalLM.from_config` for the tiny
 architectures (Qwen3-MoE, Qwen3, Mixtral, OLMoE, Qwen2-MoE, or any other `model_type` transformers ships),
-`AutoModelForCausalLM.from_pretrained(path, local_files_only=True)` for checkpoints.
+`AutoModelForCausalLM.from_pretrained(path, local_files_only=True)` for checkpoints. Loading refuses a model
+whose own log-probs training would not reproduce (gspo_lab.rollout.logprobs.check_logprobs_match).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from gspo_lab.models.tokenizer import char_tokenizer
+from gspo_lab.rollout.logprobs import check_logprobs_match
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -135,6 +137,7 @@ def _finish(model: PreTrainedModel, gradient_checkpointing: bool) -> PreTrainedM
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
     model.generation_config.pad_token_id = model.config.pad_token_id
+    check_logprobs_match(model)  # refuses an architecture whose logits training would not reproduce
     return model
 
 
