@@ -96,14 +96,42 @@ def test_r2_cannot_take_old_logprobs_from_generation(compose, rl_overrides):
         train(compose(rl_overrides + ["algorithm=grpo_rr", "rollout.logprobs_from_generation=true"]))
 
 
+# stochastic regularisers that eval mode turns off in generation and in every log-prob forward alike
+REGULARISERS = {
+    "none": [],
+    "attention_dropout": ["+model.config.attention_dropout=0.5"],
+    "mixtral_router_jitter": ["model=tiny_mixtral", "model.config.intermediate_size=32",
+                              "+model.config.attention_dropout=0.5", "+model.config.router_jitter_noise=0.5"],
+}
+
+
+def with_model(rl_overrides, overrides):
+    """rl_overrides for another model: the tiny MoE's expert width is not a key of every architecture."""
+    if any(o.startswith("model=") for o in overrides):
+        rl_overrides = [o for o in rl_overrides if not o.startswith("model.config.moe_intermediate_size")]
+    return rl_overrides + overrides
+
+
+@pytest.mark.parametrize("regulariser", sorted(REGULARISERS))
 @pytest.mark.parametrize("from_generation", [True, False])
-def test_an_on_policy_update_sees_sequence_ratios_of_one(from_generation, compose, rl_overrides, tmp_path):
+def test_an_on_policy_update_sees_sequence_ratios_of_one(from_generation, regulariser, compose, rl_overrides,
+                                                          tmp_path):
     """One mini-batch per rollout makes the only update on-policy: every GSPO sequence ratio is 1 up to float
-    rounding (far inside the 3e-4 clip), whether old log-probs come from generation or from a forward."""
-    train(compose(rl_overrides + ["train.minibatches=1", f"rollout.logprobs_from_generation={from_generation}"]))
+    rounding (far inside the 3e-4 clip), whether old log-probs come from generation or from a forward, and with
+    dropout or router jitter configured (off in both: the whole run is in eval mode)."""
+    overrides = ["train.minibatches=1", f"rollout.logprobs_from_generation={from_generation}"]
+    train(compose(with_model(rl_overrides, REGULARISERS[regulariser] + overrides)))
     for row in read_rows(tmp_path / "run")[:2]:  # the two RL steps
         assert abs(float(row["ratio/max"]) - 1) < 1e-5 and abs(float(row["ratio/min"]) - 1) < 1e-5
         assert float(row["clip/frac"]) == 0
+
+
+def test_gradient_checkpointing_changes_no_metric(compose, rl_overrides, tmp_path):
+    """Checkpointing recomputes blocks in the backward pass (in eval mode too): the same run, the same numbers."""
+    dropout = rl_overrides + REGULARISERS["attention_dropout"]
+    train(compose(dropout))
+    train(compose(dropout + ["model.gradient_checkpointing=true", f"paths.output_dir={tmp_path / 'checkpointed'}"]))
+    assert without_timing(read_rows(tmp_path / "run")) == without_timing(read_rows(tmp_path / "checkpointed"))
 
 
 def test_old_logprobs_from_generation_run_with_r3(compose, rl_overrides, tmp_path):

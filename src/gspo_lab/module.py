@@ -69,7 +69,7 @@ class RLModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.model, self.tokenizer, self.task = model, tokenizer, task
-        self.model.train()  # from_pretrained returns eval mode; old and new log-probs use the same mode
+        self.model.train()  # what Lightning expects at the start of fit; RL itself runs in eval mode (on_train_start)
         self.objective, self.advantage, self.optimizer_factory = objective, advantage, optimizer
         self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
         self.routing = RoutingReplay(model, routing.replay, record_generation=rollout.logprobs_from_generation,
@@ -89,6 +89,12 @@ class RLModule(L.LightningModule):
         and leave the model as it is. Every rank still trains on its own share of the prompts."""
         if self.device_mesh is not None:
             shard(self.model, self.device_mesh)
+
+    def on_train_start(self) -> None:
+        """Eval mode for the whole run: generation, old and new log-probs are then one deterministic function
+        (no dropout, attention dropout or router jitter), so an on-policy ratio is 1. Gradient checkpointing still
+        applies (gspo_lab.models.builders.checkpoint_blocks)."""
+        self.model.eval()
 
     def configure_optimizers(self):
         return self.optimizer_factory(self.model.parameters())
