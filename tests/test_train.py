@@ -126,6 +126,15 @@ def test_an_on_policy_update_sees_sequence_ratios_of_one(from_generation, regula
         assert float(row["clip/frac"]) == 0
 
 
+def test_nucleus_sampling_keeps_on_policy_ratios_of_one(compose, rl_overrides, tmp_path):
+    """rollout.top_p < 1 filters what is sampled, but the old log-probs from generate's raw logits and the update's
+    are both the un-truncated log softmax(logits / T), so the on-policy ratio is still 1."""
+    train(compose(rl_overrides + ["rollout.top_p=0.9", "train.minibatches=1", "rollout.logprobs_from_generation=true"]))
+    for row in read_rows(tmp_path / "run")[:2]:
+        assert abs(float(row["ratio/max"]) - 1) < 1e-5 and abs(float(row["ratio/min"]) - 1) < 1e-5
+        assert float(row["clip/frac"]) == 0
+
+
 def test_gradient_checkpointing_changes_no_metric(compose, rl_overrides, tmp_path):
     """Checkpointing recomputes blocks in the backward pass (in eval mode too): the same run, the same numbers."""
     dropout = rl_overrides + REGULARISERS["attention_dropout"]
