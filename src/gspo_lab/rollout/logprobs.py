@@ -100,14 +100,15 @@ def token_logprobs(
 
 
 def check_logprobs_match(model: PreTrainedModel) -> None:
-    """Refuse a model whose own log-probs `token_logprobs` does not reproduce (an architecture that post-processes
-    its logits in a way `head_transform` does not know, or whose decoder this path cannot call): with them the
-    on-policy ratio would not be 1.
+    """Refuse a model whose own logits the chunked path does not reproduce: its forward post-processes the
+    decoder's output in a way `head_transform` does not know, so on-policy ratios would not be 1.
 
-    One tiny probe in eval mode without gradients: two rows of 8 tokens spread over the vocabulary, the second
-    left-padded by 3, log-probs of the last 4. Raises ValueError naming the class, the model_type and the largest
-    difference from log_softmax(model(...).logits) when it exceeds float rounding, 4 eps(dtype) (1 + max |logit|).
-    A model on the meta device (shapes only) is not checked.
+    One tiny probe in eval mode without gradients: a forward of two rows of 8 tokens spread over the vocabulary
+    (the second left-padded by 3) whose decoder output is captured; the chunked path's log-probs of the last 4
+    tokens from that very output must equal log_softmax(logits) of the forward to float rounding,
+    4 eps(dtype) (1 + max |logit|) (one decoder run, so run-to-run noise of GPU kernels cannot enter). Raises
+    ValueError naming the class, the model_type and the largest difference. A model on the meta device (shapes
+    only) is not checked.
     """
     parameter = next(model.parameters())
     if parameter.is_meta:
@@ -117,26 +118,31 @@ def check_logprobs_match(model: PreTrainedModel) -> None:
     input_ids = (torch.arange(16, device=parameter.device).view(2, 8) * (vocab // 16)) % vocab  # [2, 8]
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :3] = 0  # left padding
-    completion_len = 4
+    C = 4
+    decoder_outputs = []
+    hook = getattr(model, model.base_model_prefix).register_forward_hook(lambda *call: decoder_outputs.append(call[2]))
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            try:
-                logp, _ = token_logprobs(model, input_ids, attention_mask, completion_len)
-            except Exception as error:  # noqa: BLE001 - any failure means this architecture is not supported
-                raise ValueError(f"{name}: the chunked log-prob path cannot run this architecture: {error}") from error
             logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids(attention_mask)).logits[:, -completion_len - 1 : -1]  # [2, 4, V]
+                           position_ids=position_ids(attention_mask)).logits[:, -C - 1 : -1]  # [2, C, V]
+            hidden = getattr(decoder_outputs[-1] if decoder_outputs else None, "last_hidden_state", None)
+            if hidden is None:
+                raise ValueError(f"{name}: its forward does not return model.{model.base_model_prefix}'s "
+                                 "last_hidden_state to the LM head, which the chunked log-prob path needs")
+            logp, _ = _chunk_logprobs(hidden[:, -C - 1 : -1], input_ids[:, -C:], model.get_output_embeddings(),
+                                      head_transform(model), 1.0)  # [2, C]
     finally:
+        hook.remove()
         model.train(was_training)
-    reference = logits.float().log_softmax(-1).gather(-1, input_ids[:, -completion_len:, None]).squeeze(-1)
+    reference = logits.float().log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)  # [2, C]
     difference = (logp - reference).abs().max().item()
     tolerance = 4 * torch.finfo(logits.dtype).eps * (1 + logits.abs().max().item())
     if not difference <= tolerance:  # also refuses NaN
         raise ValueError(
             f"{name}: training log-probs differ from the model's own log_softmax(logits) by up to {difference:.3g} "
-            f"(float rounding allows {tolerance:.3g}): its forward post-processes the LM head's output in a way "
+            f"(float rounding allows {tolerance:.3g}): its forward post-processes the decoder's output in a way "
             "gspo_lab.rollout.logprobs.head_transform does not know, so on-policy ratios would not be 1. Add the "
             "transform to LOGIT_SCALES / head_transform, or use another architecture."
         )
