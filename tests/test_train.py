@@ -105,6 +105,13 @@ REGULARISERS = {
 }
 
 
+def assert_on_policy(run_dir):
+    """Each RL step's only update saw GSPO sequence ratios of 1 up to float rounding and clipped nothing."""
+    for row in read_rows(run_dir)[:2]:  # the two RL steps
+        assert abs(float(row["ratio/max"]) - 1) < 1e-5 and abs(float(row["ratio/min"]) - 1) < 1e-5
+        assert float(row["clip/frac"]) == 0
+
+
 def with_model(rl_overrides, overrides):
     """rl_overrides for another model: the tiny MoE's expert width is not a key of every architecture."""
     if any(o.startswith("model=") for o in overrides):
@@ -121,18 +128,14 @@ def test_an_on_policy_update_sees_sequence_ratios_of_one(from_generation, regula
     dropout or router jitter configured (off in both: the whole run is in eval mode)."""
     overrides = ["train.minibatches=1", f"rollout.logprobs_from_generation={from_generation}"]
     train(compose(with_model(rl_overrides, REGULARISERS[regulariser] + overrides)))
-    for row in read_rows(tmp_path / "run")[:2]:  # the two RL steps
-        assert abs(float(row["ratio/max"]) - 1) < 1e-5 and abs(float(row["ratio/min"]) - 1) < 1e-5
-        assert float(row["clip/frac"]) == 0
+    assert_on_policy(tmp_path / "run")
 
 
 def test_nucleus_sampling_keeps_on_policy_ratios_of_one(compose, rl_overrides, tmp_path):
     """rollout.top_p < 1 filters what is sampled, but the old log-probs from generate's raw logits and the update's
     are both the un-truncated log softmax(logits / T), so the on-policy ratio is still 1."""
     train(compose(rl_overrides + ["rollout.top_p=0.9", "train.minibatches=1", "rollout.logprobs_from_generation=true"]))
-    for row in read_rows(tmp_path / "run")[:2]:
-        assert abs(float(row["ratio/max"]) - 1) < 1e-5 and abs(float(row["ratio/min"]) - 1) < 1e-5
-        assert float(row["clip/frac"]) == 0
+    assert_on_policy(tmp_path / "run")
 
 
 def test_gradient_checkpointing_changes_no_metric(compose, rl_overrides, tmp_path):
