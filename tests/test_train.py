@@ -100,12 +100,18 @@ def test_r2_cannot_take_old_logprobs_from_generation(compose, rl_overrides):
         train(compose(rl_overrides + ["algorithm=grpo_rr", "rollout.logprobs_from_generation=true"]))
 
 
-@pytest.mark.parametrize("from_generation", [True, False])
-def test_an_on_policy_update_sees_sequence_ratios_of_one(from_generation, compose, rl_overrides, tmp_path):
-    """One mini-batch per rollout makes the only update on-policy: every GSPO sequence ratio is 1 up to float
-    rounding (far inside the 3e-4 clip), whether old log-probs come from generation or from a forward."""
-    train(compose(rl_overrides + ["train.minibatches=1", f"rollout.logprobs_from_generation={from_generation}"]))
-    for row in read_rows(tmp_path / "run")[:2]:  # the two RL steps
+# stochastic regularisers that eval mode turns off in generation and in every log-prob forward alike
+REGULARISERS = {
+    "none": [],
+    "attention_dropout": ["+model.config.attention_dropout=0.5"],
+    "mixtral_router_jitter": ["model=tiny_mixtral", "model.config.intermediate_size=32",
+                              "+model.config.attention_dropout=0.5", "+model.config.router_jitter_noise=0.5"],
+}
+
+
+def assert_on_policy(run_dir):
+    """Each RL step's only update saw GSPO sequence ratios of 1 up to float rounding and clipped nothing."""
+    for row in read_rows(run_dir)[:2]:  # the two RL steps
         assert abs(float(row["ratio/max"]) - 1) < 1e-5 and abs(float(row["ratio/min"]) - 1) < 1e-5
         assert float(row["clip/frac"]) == 0
 
@@ -145,8 +151,9 @@ def test_a_run_is_labelled_by_what_runs_not_by_the_algorithm_default(rl_override
 def test_kl_penalty_to_the_reference_policy_runs_and_changes_the_update(compose, rl_overrides, tmp_path):
     """objective.beta > 0 builds a frozen copy of the starting policy: kl/ref is exactly 0 at the first update
     (policy = reference), positive after it, and the penalty changes the next update (its gradient is 0 at
-    ratio 1, so the first update is the same as without it)."""
-    one_update = rl_overrides + ["train.minibatches=1"]
+    ratio 1, so the first update is the same as without it). Attention dropout is configured: the reference
+    runs in eval mode like the policy, or kl/ref would not start at 0."""
+    one_update = rl_overrides + ["train.minibatches=1", "+model.config.attention_dropout=0.5"]
     summary = train(compose(one_update + ["objective.beta=0.5"]))
     rows = read_rows(tmp_path / "run")
     assert float(rows[0]["kl/ref"]) == 0.0 and float(rows[1]["kl/ref"]) > 0
@@ -195,3 +202,42 @@ def test_mask_truncated_leaves_truncated_completions_out_of_the_loss(mask_trunca
         assert empty == (truncated if mask_truncated else 0)
         tokens, valid = row["completion/len_mean"] * 16, row["mask/valid_tokens"] * 2
         assert valid < tokens if mask_truncated else valid == pytest.approx(tokens)
+
+
+def with_model(rl_overrides, overrides):
+    """rl_overrides for another model: the tiny MoE's expert width is not a key of every architecture."""
+    if any(o.startswith("model=") for o in overrides):
+        rl_overrides = [o for o in rl_overrides if not o.startswith("model.config.moe_intermediate_size")]
+    return rl_overrides + overrides
+
+
+@pytest.mark.parametrize("regulariser", sorted(REGULARISERS))
+@pytest.mark.parametrize("from_generation", [True, False])
+def test_an_on_policy_update_sees_sequence_ratios_of_one(from_generation, regulariser, compose, rl_overrides,
+                                                          tmp_path):
+    """One mini-batch per rollout makes the only update on-policy: every GSPO sequence ratio is 1 up to float
+    rounding (far inside the 3e-4 clip), whether old log-probs come from generation or from a forward, and with
+    dropout or router jitter configured (off in both: the whole run is in eval mode)."""
+    overrides = ["train.minibatches=1", f"rollout.logprobs_from_generation={from_generation}"]
+    train(compose(with_model(rl_overrides, REGULARISERS[regulariser] + overrides)))
+    assert_on_policy(tmp_path / "run")
+
+
+def test_nucleus_sampling_keeps_on_policy_ratios_of_one(compose, rl_overrides, tmp_path):
+    """rollout.top_p < 1 filters what is sampled, but the old log-probs from generate's raw logits and the update's
+    are both the un-truncated log softmax(logits / T), so the on-policy ratio is still 1."""
+    train(compose(rl_overrides + ["rollout.top_p=0.9", "train.minibatches=1", "rollout.logprobs_from_generation=true"]))
+    assert_on_policy(tmp_path / "run")
+
+
+def test_gradient_checkpointing_changes_no_metric(compose, rl_overrides, tmp_path):
+    """Checkpointing recomputes blocks in the backward pass (in eval mode too): the same run, the same numbers."""
+    dropout = rl_overrides + REGULARISERS["attention_dropout"]
+    train(compose(dropout))
+    train(compose(dropout + ["model.gradient_checkpointing=true", f"paths.output_dir={tmp_path / 'checkpointed'}"]))
+    assert without_timing(read_rows(tmp_path / "run")) == without_timing(read_rows(tmp_path / "checkpointed"))
+
+
+def test_old_logprobs_from_generation_run_with_r3(compose, rl_overrides, tmp_path):
+    summary = train(compose(rl_overrides + ["rollout.logprobs_from_generation=true", "routing.replay=r3"]))
+    assert summary["steps"] == 2 and float(read_rows(tmp_path / "run")[0]["routing/override_frac"]) >= 0

@@ -72,7 +72,7 @@ class RLModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.model, self.tokenizer, self.task = model, tokenizer, task
-        self.model.train()  # from_pretrained returns eval mode; old and new log-probs use the same mode
+        self.model.train()  # what Lightning expects at the start of fit; RL itself runs in eval mode (on_train_start)
         self.objective, self.advantage, self.optimizer_factory = objective, advantage, optimizer
         # the KL penalty's reference: the starting policy (the cold start, or the initial model), frozen
         self.reference = frozen_copy(model) if getattr(objective, "beta", 0.0) > 0 else None
@@ -96,6 +96,14 @@ class RLModule(L.LightningModule):
             shard(self.model, self.device_mesh)
             if self.reference is not None:
                 shard(self.reference, self.device_mesh)
+
+    def on_train_start(self) -> None:
+        """Eval mode for the whole run: generation, old and new log-probs are then one deterministic function
+        (no dropout, attention dropout or router jitter), so an on-policy ratio is 1. Gradient checkpointing still
+        applies (gspo_lab.models.builders.checkpoint_blocks). The KL reference runs in the same mode."""
+        self.model.eval()
+        if self.reference is not None:
+            self.reference.eval()
 
     def configure_optimizers(self):
         return self.optimizer_factory(self.model.parameters())

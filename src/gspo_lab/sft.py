@@ -103,7 +103,7 @@ class SFTModule(L.LightningModule):
         self.history: list[tuple[int, float]] = []  # (step, held-out accuracy)
 
     def training_step(self, batch, batch_idx):
-        loss = self.model(**batch).loss
+        loss = self.model(**batch, use_cache=False).loss  # no KV cache to build (and none under checkpointing)
         self.log("sft/loss", loss, prog_bar=True)
         return loss
 

@@ -1,17 +1,18 @@
 """Every model config builds a real transformers model that runs a forward and a generate; the char
-tokenizer round-trips; model=hf loads a checkpoint this test saved."""
+tokenizer round-trips; model=hf loads a checkpoint this test saved; gradient checkpointing recomputes blocks."""
 
 from pathlib import Path
 
 import pytest
 import torch
 from hydra.utils import instantiate
+from torch.distributed._composable import checkpoint
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.models import PretrainedModel, TinyModel, char_tokenizer
-from gspo_lab.rollout import generate
+from gspo_lab.rollout import generate, token_logprobs
 
 TINY_MODELS = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("tiny_*.yaml"))
 EXPECTED_CLASS = {
@@ -76,7 +77,8 @@ def test_hf_loads_a_checkpoint_this_test_saved(tmp_path):
     assert torch.equal(loaded(**batch).logits, model(**batch).logits)
     assert loaded_tok("12+3=")["input_ids"] == tok("12+3=")["input_ids"]
     bf16, _ = PretrainedModel(path=str(tmp_path / "ckpt"), dtype="bfloat16", gradient_checkpointing=True).load()
-    assert next(bf16.parameters()).dtype == torch.bfloat16 and any(getattr(m, "gradient_checkpointing", False) for m in bf16.modules())
+    assert next(bf16.parameters()).dtype == torch.bfloat16
+    assert all(checkpoint.state(block) is not None for block in bf16.model.layers)  # gradient checkpointing is on
 
 
 def test_model_errors_are_clear(tmp_path):
@@ -88,3 +90,27 @@ def test_model_errors_are_clear(tmp_path):
         TinyModel(arch="nope")
     with pytest.raises(ValueError, match=r"model\.dtype='float8'"):
         TinyModel(arch="qwen3", dtype="float8")
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_gradient_checkpointing_recomputes_every_block_in_either_mode(mode):
+    """RL updates run in eval mode, where transformers' own checkpointing does nothing; ours recomputes each
+    block in the backward pass in eval mode (RL) and train mode (SFT, with dropout), with unchanged gradients."""
+    config = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 16, "intermediate_size": 64, "attention_dropout": 0.5}
+    block_calls, grads = {}, {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model, tok = TinyModel(arch="qwen3", config=config, gradient_checkpointing=checkpointing).load()
+        model.train(mode == "train")
+        calls = []
+        for block in model.model.layers:  # a submodule's hook sees every recomputation, whoever checkpoints
+            block.self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
+        batch = tok(["12+3=15", "1+2=3"], return_tensors="pt", padding=True)
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        logp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 3)
+        logp.sum().backward()
+        block_calls[checkpointing] = len(calls)
+        grads[checkpointing] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert block_calls == {False: 2, True: 4}  # two blocks, each run again in the backward pass
+    assert torch.equal(grads[True], grads[False])

@@ -65,16 +65,35 @@ def test_chunked_logprobs_equal_a_full_log_softmax_with_gradients(policy, temper
     torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_logprobs_from_generation_match_the_forward(policy):
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_logprobs_from_generation_match_the_forward(policy, top_p):
+    """Both are the un-truncated log softmax(logits / T), also when top_p filters what is sampled."""
     model, tok = policy
     torch.manual_seed(4)
-    out = generate(model, tok, ["12+3=", "1=", "999+1="], 6, temperature=0.8, return_logprobs=True)
+    out = generate(model, tok, ["12+3=", "1=", "999+1="], 6, temperature=0.8, top_p=top_p, return_logprobs=True)
     ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
     mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
     with torch.no_grad():
         forward, _ = token_logprobs(model, ids, mask, out.completion_ids.shape[1], 0.8)
     valid = out.completion_mask.bool()
     assert torch.allclose(out.logprobs[valid], forward[valid], atol=1e-4)
+
+
+def test_a_saved_generation_config_changes_no_sample():
+    """generate fills every setting it is not given from the model's generation_config; a checkpoint's
+    repetition_penalty, min_p, top_k and no_repeat_ngram_size must not reach sampling or greedy decoding."""
+    prompts = ["12+3=", "1=", "999+1=", "4+4="]
+    decoded = []
+    for saved in ({}, {"repetition_penalty": 5.0, "min_p": 0.5, "top_k": 5, "no_repeat_ngram_size": 1}):
+        torch.manual_seed(0)
+        model, tok = TinyModel(arch="qwen3_moe", config=SMALL).load()
+        model.generation_config.update(**saved)
+        torch.manual_seed(5)
+        sampled = generate(model, tok, prompts, 8, temperature=0.9, return_logprobs=True)
+        greedy = generate(model, tok, prompts, 8, greedy=True)
+        decoded.append((sampled.completion_ids, sampled.logprobs, greedy.completion_ids))
+    plain, configured = decoded
+    assert all(torch.equal(a, b) for a, b in zip(plain, configured))
 
 
 def test_prompt_schedule_shards_whole_prompts_by_rank():

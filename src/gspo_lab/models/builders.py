@@ -3,7 +3,8 @@
 `model=` in the Hydra config instantiates one of the two classes below; `.load()` returns the model and
 its tokenizer. Both are real Hugging Face classes: `AutoModelForCausalLM.from_config` for the tiny
 architectures (Qwen3-MoE, Qwen3, Mixtral, OLMoE, Qwen2-MoE, or any other `model_type` transformers ships),
-`AutoModelForCausalLM.from_pretrained(path, local_files_only=True)` for checkpoints.
+`AutoModelForCausalLM.from_pretrained(path, local_files_only=True)` for checkpoints. Loading refuses a model
+whose own log-probs training would not reproduce (gspo_lab.rollout.logprobs.check_logprobs_match).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._composable import checkpoint
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from gspo_lab.models.tokenizer import char_tokenizer
+from gspo_lab.rollout.logprobs import check_logprobs_match
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,7 +39,7 @@ class TinyModel:
         config: keyword arguments of that architecture's config class (hidden_size, num_experts, ...);
             vocabulary size and special-token ids come from the character tokenizer.
         dtype: parameter dtype, "float32" (default), "bfloat16" or "float16".
-        gradient_checkpointing: recompute activations in the backward pass.
+        gradient_checkpointing: recompute activations in the backward pass (`checkpoint_blocks`).
         experts_implementation: the MoE expert kernel: "index_add" (gspo_lab.models.experts), or
             transformers' "grouped_mm" or "eager".
     """
@@ -82,7 +86,7 @@ class PretrainedModel:
     Args:
         path: folder holding config.json, the weights and the tokenizer files.
         dtype: "float32", "bfloat16" or "float16".
-        gradient_checkpointing: recompute activations in the backward pass.
+        gradient_checkpointing: recompute activations in the backward pass (`checkpoint_blocks`).
         experts_implementation: transformers' MoE expert kernel, or null for the checkpoint's default.
     """
 
@@ -129,13 +133,24 @@ def _check_checkpoint_dir(path: Path) -> None:
 
 def _finish(model: PreTrainedModel, gradient_checkpointing: bool) -> PreTrainedModel:
     if gradient_checkpointing:
-        checkpointing_kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed the method
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing_kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
+        checkpoint_blocks(model)
     model.generation_config.pad_token_id = model.config.pad_token_id
+    check_logprobs_match(model)  # refuses an architecture whose logits training would not reproduce
     return model
+
+
+def checkpoint_blocks(model: PreTrainedModel) -> None:
+    """Activation checkpointing of every transformer block, in train and eval mode alike: each block's
+    activations are recomputed in the backward pass instead of kept. transformers' own checkpointing
+    (`activation_checkpointing_enable`) acts only on modules in train mode, and RL runs in eval mode
+    (gspo_lab.module), so torch's composable `checkpoint` (forward hooks; no renamed parameters, FSDP2-compatible)
+    is used instead. A forward with gradients must pass use_cache=False: a block recomputed with a KV cache would
+    append to it twice (torch's checkpoint then raises rather than return wrong gradients)."""
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not blocks:
+        raise ValueError(f"model.gradient_checkpointing=true: {type(model).__name__} has no checkpointable blocks")
+    for block in blocks:
+        checkpoint(block)  # non-reentrant; the RNG state is restored, so train-mode dropout recomputes the same
 
 
 def parameter_count(model: torch.nn.Module) -> int:

@@ -1,15 +1,19 @@
 """Sampling completions with transformers' `generate` (KV cache), cut at EOS, with documented shapes.
 
-N prompts, P prompt positions (left-padded), C completion positions (right-padded after EOS).
+Sampling follows the arguments alone (`sampling_config`): nothing of a checkpoint's saved `generation_config`
+(repetition_penalty, min_p, its top_k default, stop strings, ...) reaches `generate`, so the distribution the
+old log-probs describe is the one sampled from. N prompts, P prompt positions (left-padded), C completion
+positions (right-padded after EOS).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo_lab.sharding import is_sharded
 
@@ -46,10 +50,11 @@ def generate(
     suppress_eos: bool = False,
     return_logprobs: bool = False,
 ) -> Completions:
-    """Generate one completion per prompt (repeat prompts for groups). No top-k truncation is applied, so
-    samples come from softmax(logits / temperature), optionally nucleus-filtered by `top_p`. With
-    `return_logprobs`, log softmax(logits / temperature) at each sampled token is returned as well (the
-    un-truncated distribution, as training computes it). Decoding runs under `torch.inference_mode` (5-9%
+    """Generate one completion per prompt (repeat prompts for groups), in eval mode. No top-k truncation is
+    applied, so samples come from softmax(logits / temperature), optionally nucleus-filtered by `top_p`, and from
+    nothing else (`sampling_config`). With `return_logprobs`, log softmax(logits / temperature) at each sampled
+    token is returned as well (generate's raw logits: the un-truncated distribution, as training computes it,
+    also when `top_p` < 1). Decoding runs under `torch.inference_mode` (5-9%
     faster than `no_grad` at the anchor workload's size, same numbers; `no_grad` for an FSDP-sharded model,
     whose gathered parameters must stay ordinary tensors); the tensors returned are ordinary ones."""
     with torch.no_grad() if is_sharded(model) else torch.inference_mode():
@@ -58,27 +63,47 @@ def generate(
     return completions.cloned()
 
 
+def sampling_config(tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, suppress_eos=False,
+                    return_logprobs=False) -> GenerationConfig:
+    """Every setting `generate` decodes with, from the arguments alone (greedy, or sampling from softmax(logits /
+    temperature) with only the `top_p` nucleus filter: top_k=0 overrides transformers' default of 50)."""
+    eos = tokenizer.eos_token_id
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    return GenerationConfig(
+        **sampling,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens if suppress_eos else 0,
+        suppress_tokens=[eos] if suppress_eos else None,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+        return_dict_in_generate=True,
+        output_logits=return_logprobs,
+    )
+
+
+@contextmanager
+def only_this_generation_config(model: PreTrainedModel, generation_config: GenerationConfig):
+    """`generate` fills every field its `generation_config` leaves unset from `model.generation_config` (a
+    checkpoint's repetition_penalty, min_p, top_k, ...): this config stands in for the model's meanwhile."""
+    saved = model.generation_config
+    model.generation_config = generation_config
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
 def _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greedy, suppress_eos,
             return_logprobs) -> Completions:
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
     eos = tokenizer.eos_token_id
-    kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    if suppress_eos:
-        kwargs["suppress_tokens"] = [eos]
+    config = sampling_config(tokenizer, max_new_tokens, temperature, top_p, greedy, suppress_eos, return_logprobs)
     was_training = model.training
     model.eval()
-    output = model.generate(
-        **encoded,
-        return_dict_in_generate=True,
-        output_logits=return_logprobs,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens if suppress_eos else 0,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-        use_cache=True,
-        **kwargs,
-    )
+    with only_this_generation_config(model, config):
+        output = model.generate(**encoded, generation_config=config)
     model.train(was_training)
     prompt_len = encoded["input_ids"].shape[1]
     completion_ids = output.sequences[:, prompt_len:]

@@ -1,13 +1,18 @@
 """Per-token log-probs of completion tokens without a [B, T, V] float32 log-softmax for the whole batch.
 
-The decoder runs once over the batch; the LM head, the temperature and the log-softmax then run on row
+The decoder runs once over the batch; the LM head, the architecture's own post-processing of the head's output
+(`head_transform`: a logit scale, Gemma-style soft-capping), the temperature and the log-softmax then run on row
 chunks of the completion positions only. In training each chunk is activation-checkpointed, so its [rows, C, V]
 logits are recomputed in the backward pass instead of kept: peak memory is one chunk's logits. Each row's
 log-softmax is the same `log_softmax` a full [B, T, V] computation (or generation) runs, so the values are
-identical to it, bit for bit (tested), not merely close.
+identical to it, bit for bit (tested), not merely close. `check_logprobs_match` refuses, when a model loads, an
+architecture whose own logits this path does not reproduce.
 """
 
 from __future__ import annotations
+
+import operator
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -16,10 +21,40 @@ from transformers import PreTrainedModel
 
 from gspo_lab.rollout.generation import position_ids
 
+# model_type -> (config attribute, op): its ForCausalLM.forward returns logits = op(lm_head(h), config.<attribute>)
+# (transformers' models/<model_type>/modeling_<model_type>.py)
+LOGIT_SCALES: dict[str, tuple[str, Callable[[Tensor, float], Tensor]]] = {
+    **{t: ("logit_scale", operator.mul) for t in ("cohere", "cohere2", "cohere2_moe")},
+    **{t: ("logits_scaling", operator.truediv)
+       for t in ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid")},
+    "hyperclovax": ("logits_scaling", operator.mul),
+    "falcon_h1": ("lm_head_multiplier", operator.mul),
+}
 
-def _chunk_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float):
+
+def head_transform(model: PreTrainedModel) -> Callable[[Tensor], Tensor]:
+    """What the model's forward does to lm_head(h) before it returns logits, in the head's dtype as it does:
+    the scale of LOGIT_SCALES, and Gemma-style soft-capping where the config sets `final_logit_softcapping`
+    (Gemma 2/3/3n/4, VaultGemma, NanoChat). Anything else is the identity; `check_logprobs_match` refuses
+    architectures that do more."""
+    config = model.config.get_text_config()
+    scale = LOGIT_SCALES.get(config.model_type)
+    cap = getattr(config, "final_logit_softcapping", None)
+
+    def transform(logits: Tensor) -> Tensor:
+        if scale is not None:
+            attribute, op = scale
+            logits = op(logits, getattr(config, attribute))
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap  # soft-capping: z = cap * tanh(z / cap), |z| < cap
+        return logits
+
+    return transform
+
+
+def _chunk_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, transform, temperature: float):
     """hidden [R, C, H], targets [R, C] -> log p(target) [R, C] and entropy [R, C] (no gradient)."""
-    logits = head(hidden).float() / temperature  # [R, C, V]: the same scaling as generation's warper
+    logits = transform(head(hidden)).float() / temperature  # [R, C, V]: the model's logits, then generation's warper
     log_probs = logits.log_softmax(-1)  # [R, C, V], the very op a full log-softmax and generation use
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [R, C] log p(target)
     with torch.no_grad():
@@ -35,13 +70,15 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_rows: int = 32,
 ) -> tuple[Tensor, Tensor]:
-    """log π(y_t | x, y_<t) and the policy entropy at each of the last `completion_len` positions.
+    """log π(y_t | x, y_<t) and the policy entropy at each of the last `completion_len` positions: log_softmax of
+    the model's own logits / temperature, in whatever mode the model is in (RLModule keeps it in eval mode).
 
     input_ids, attention_mask: [B, P + C]; returns two [B, C] tensors (log-probs carry the gradient when
     grad is enabled; entropy is detached).
     """
     decoder = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
+    transform = head_transform(model)
     hidden = decoder(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -54,9 +91,58 @@ def token_logprobs(
     for rows in range(0, input_ids.shape[0], chunk_rows):
         h, y = hidden[rows : rows + chunk_rows], targets[rows : rows + chunk_rows]
         if torch.is_grad_enabled():
-            logp, entropy = checkpoint(_chunk_logprobs, h, y, head, temperature, use_reentrant=False)
+            logp, entropy = checkpoint(_chunk_logprobs, h, y, head, transform, temperature, use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(h, y, head, temperature)
+            logp, entropy = _chunk_logprobs(h, y, head, transform, temperature)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies).detach()
+
+
+def check_logprobs_match(model: PreTrainedModel) -> None:
+    """Refuse a model whose own logits the chunked path does not reproduce: its forward post-processes the
+    decoder's output in a way `head_transform` does not know, so on-policy ratios would not be 1.
+
+    One tiny probe in eval mode without gradients: a forward of two rows of 8 tokens spread over the vocabulary
+    (the second left-padded by 3) whose decoder output is captured; the chunked path's log-probs of the last 4
+    tokens from that very output must equal log_softmax(logits) of the forward to float rounding,
+    4 eps(dtype) (1 + max |logit|) (one decoder run, so run-to-run noise of GPU kernels cannot enter). Raises
+    ValueError naming the class, the model_type and the largest difference. A model on the meta device (shapes
+    only) is not checked.
+    """
+    parameter = next(model.parameters())
+    if parameter.is_meta:
+        return
+    name = f"{type(model).__name__} (model_type {model.config.model_type!r})"
+    vocab = model.get_input_embeddings().num_embeddings
+    input_ids = (torch.arange(16, device=parameter.device).view(2, 8) * (vocab // 16)) % vocab  # [2, 8]
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0  # left padding
+    C = 4
+    decoder_outputs = []
+    hook = getattr(model, model.base_model_prefix).register_forward_hook(lambda *call: decoder_outputs.append(call[2]))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids(attention_mask)).logits[:, -C - 1 : -1]  # [2, C, V]
+            hidden = getattr(decoder_outputs[-1] if decoder_outputs else None, "last_hidden_state", None)
+            if hidden is None:
+                raise ValueError(f"{name}: its forward does not return model.{model.base_model_prefix}'s "
+                                 "last_hidden_state to the LM head, which the chunked log-prob path needs")
+            logp, _ = _chunk_logprobs(hidden[:, -C - 1 : -1], input_ids[:, -C:], model.get_output_embeddings(),
+                                      head_transform(model), 1.0)  # [2, C]
+    finally:
+        hook.remove()
+        model.train(was_training)
+    reference = logits.float().log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)  # [2, C]
+    difference = (logp - reference).abs().max().item()
+    tolerance = 4 * torch.finfo(logits.dtype).eps * (1 + logits.abs().max().item())
+    if not difference <= tolerance:  # also refuses NaN
+        raise ValueError(
+            f"{name}: training log-probs differ from the model's own log_softmax(logits) by up to {difference:.3g} "
+            f"(float rounding allows {tolerance:.3g}): its forward post-processes the decoder's output in a way "
+            "gspo_lab.rollout.logprobs.head_transform does not know, so on-policy ratios would not be 1. Add the "
+            "transform to LOGIT_SCALES / head_transform, or use another architecture."
+        )
