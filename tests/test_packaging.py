@@ -98,8 +98,9 @@ def test_an_editable_install_reads_its_checkouts_conf(tmp_path):
     source, target = copy_checkout(tmp_path), tmp_path / "target"
     pip("install", "--target", str(target), "--editable", str(source))
     # -S and the venv's site-packages as plain paths: its .pth files stay unread, so an editable install of the
-    # checkout under test (the venv's own) cannot answer instead of the one in `target`
-    code = (f"import site, sys; sys.path += {site.getsitepackages()!r}; site.addsitedir({str(target)!r}); "
+    # checkout under test (the venv's own) cannot answer instead of the one in `target`. `target` comes first:
+    # its .pth imports a finder module whose name the venv's own editable install shares
+    code = (f"import site, sys; site.addsitedir({str(target)!r}); sys.path += {site.getsitepackages()!r}; "
             "import gspo_lab; print(gspo_lab.__file__, gspo_lab.CONFIG_DIR)")
     where = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": ""}, timeout=300)

@@ -74,7 +74,7 @@ def test_a_sweep_of_two_jobs_runs_both_and_reports(tmp_path):
                         tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = finished_runs(sweep)
-    assert [run.name for run in runs] == ["0_algorithm=gspo", "1_algorithm=grpo"]
+    assert [run.name.split(",")[0] for run in runs] == ["0_algorithm=gspo", "1_algorithm=grpo"]
     report_main([str(sweep), "--baseline", "algorithm=gspo"])
     assert "| algorithm=grpo | 1 |" in (sweep / "report.md").read_text()
 
