@@ -7,9 +7,13 @@ fails before any model is built.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 REPLAY_MODES = ("off", "r2", "r3")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # rollout.engine.precision
+WEIGHT_BITS = (None, 8)  # rollout.engine.weight_bits
 
 
 def _require(ok: bool, key: str, value, rule: str) -> None:
@@ -20,6 +24,37 @@ def _require(ok: bool, key: str, value, rule: str) -> None:
 def _positive_int(key: str, value, minimum: int = 1) -> None:
     _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, key, value,
              f"must be an integer >= {minimum}")
+
+
+@dataclass
+class EngineConfig:
+    """How the rollout engine differs from the trainer; every default keeps it identical.
+
+    Args:
+        precision: "fp32" (the trainer's float32 weights) or "bf16" (a bfloat16 copy).
+        router_noise: σ of Gaussian noise added to MoE router logits during generation only, relative to the
+            standard deviation of each token's logits; 0 adds none.
+        weight_bits: None, or 8 for weights fake-quantised to 8 bits per output channel (symmetric, round to
+            nearest) in the engine's copy.
+    """
+
+    precision: str = "fp32"
+    router_noise: float = 0.0
+    weight_bits: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.precision in PRECISIONS, "rollout.engine.precision", self.precision,
+                 f"must be one of {list(PRECISIONS)}")
+        noise = self.router_noise
+        _require(isinstance(noise, (int, float)) and not isinstance(noise, bool) and math.isfinite(noise) and noise >= 0,
+                 "rollout.engine.router_noise", noise, "must be a finite number >= 0 (0: no noise)")
+        _require(self.weight_bits in WEIGHT_BITS, "rollout.engine.weight_bits", self.weight_bits,
+                 f"must be one of {list(WEIGHT_BITS)}")
+
+    @property
+    def copies_weights(self) -> bool:
+        """Whether the engine needs weights of its own (another precision or quantised)."""
+        return self.precision != "fp32" or self.weight_bits is not None
 
 
 @dataclass
@@ -36,6 +71,7 @@ class RolloutConfig:
         logprobs_from_generation: take old log-probs from generate's logits instead of a second forward
             (the default; r2 routing replay needs the forward).
         suppress_eos: never sample EOS, so every completion has exactly max_new_tokens (benchmarks).
+        engine: how the rollout engine differs from the trainer (`EngineConfig`; the default: not at all).
     """
 
     prompts_per_step: int = 16
@@ -46,6 +82,7 @@ class RolloutConfig:
     mask_truncated: bool = False
     logprobs_from_generation: bool = True
     suppress_eos: bool = False
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         _positive_int("rollout.prompts_per_step", self.prompts_per_step)

@@ -1,9 +1,11 @@
 """The LightningModule that runs every algorithm: rollout -> reward -> advantages -> objective -> updates.
 
 One RL step is one `training_step`:
-1. this rank's share of the step's prompts, `group_size` completions each (transformers `generate`);
-2. rewards from the task, group-relative advantages;
-3. old-policy log-probs from generate's own logits (default), or from a no-grad forward; with
+1. this rank's share of the step's prompts, `group_size` completions each (transformers `generate`) from the
+   rollout engine (the trainer's model itself by default; `rollout.engine.*` makes it differ);
+2. rewards from the task, group-relative advantages; the trainer's own log-probs and experts on the
+   diagnostic rows against the engine's (mismatch/*, routing/rollout_disagreement*);
+3. old-policy log-probs from the engine's own logits (default), or from a no-grad trainer forward; with
    `objective.beta > 0`, the frozen reference policy's log-probs from one more no-grad forward;
 4. `train.minibatches` shuffled mini-batches, one optimizer step each, with gradient clipping;
 5. metrics reduced across ranks and written once, with `step` = the RL step.
@@ -30,7 +32,8 @@ from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
 from gspo_lab.evaluation import accuracy
 from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective, frac_zero_std
 from gspo_lab.objectives.base import masked_mean
-from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, generate, token_logprobs
+from gspo_lab.rollout import Completions, PromptSchedule, RolloutBatch, StepTicks, generate, token_logprobs
+from gspo_lab.rollout.engine import RolloutEngine, mismatch_metrics
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
 from gspo_lab.sharding import is_sharded, shard
@@ -77,8 +80,8 @@ class RLModule(L.LightningModule):
         # the KL penalty's reference: the starting policy (the cold start, or the initial model), frozen
         self.reference = frozen_copy(model) if getattr(objective, "beta", 0.0) > 0 else None
         self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
-        self.routing = RoutingReplay(model, routing.replay, record_generation=rollout.logprobs_from_generation,
-                                     diagnostics_rows=routing.diagnostics_rows)
+        self.routing = RoutingReplay(model, routing.replay, diagnostics_rows=routing.diagnostics_rows)
+        self.engine = RolloutEngine(model, rollout.engine)  # the trainer's model itself unless configured
         self.prompts = PromptSchedule(task, rollout.prompts_per_step, seed)
         self.eval_set = task.eval_examples()
         self.rl_step = 0  # RL steps completed; saved in checkpoints
@@ -93,6 +96,9 @@ class RLModule(L.LightningModule):
         shard the policy with FSDP2 within a node and replicate it across nodes. Other strategies give no mesh
         and leave the model as it is. Every rank still trains on its own share of the prompts."""
         if self.device_mesh is not None:
+            if self.engine.copy is not None:
+                raise ValueError("rollout.engine.precision / weight_bits: an engine copy of the weights is not "
+                                 "supported with trainer=fsdp (sharded weights); use trainer=ddp or the default engine")
             shard(self.model, self.device_mesh)
             if self.reference is not None:
                 shard(self.reference, self.device_mesh)
@@ -165,18 +171,11 @@ class RLModule(L.LightningModule):
             self.trainer.should_stop = True
 
     def collect_rollout(self, step: int, metrics: dict[str, float]) -> RolloutBatch:
-        """This rank's rollout batch; adds time/generate_s and time/old_logprobs_s to `metrics`."""
+        """This rank's rollout batch; adds the rollout's timings and the engine-trainer mismatch to `metrics`."""
         cfg = self.rollout_cfg
         examples = self.prompts.for_step(step, self.global_rank, self.trainer.world_size)
         grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
-        started = time.perf_counter()
-        with self.routing.generation():
-            completions = generate(
-                self.model, self.tokenizer, [e.prompt for e in grouped], cfg.max_new_tokens,
-                temperature=cfg.temperature, top_p=cfg.top_p, suppress_eos=cfg.suppress_eos,
-                return_logprobs=cfg.logprobs_from_generation,
-            )
-        metrics["time/generate_s"] = time.perf_counter() - started
+        completions = self.sample([e.prompt for e in grouped], metrics)
         rewards = torch.tensor([self.score(e, text) for e, text in zip(grouped, completions.texts)])
         if self.train_cfg.shuffle_rewards:  # negative control: rewards no longer belong to their completions
             rewards = rewards[torch.randperm(len(rewards))]
@@ -184,16 +183,22 @@ class RLModule(L.LightningModule):
         if cfg.mask_truncated:
             loss_mask = loss_mask * (~completions.truncated)[:, None]
         input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)
+        rollout_trace = self.routing.generation_trace(completions.prompt_ids.shape[1], input_ids.shape[1])
         batch = RolloutBatch(
             input_ids=input_ids,
             attention_mask=torch.cat([completions.prompt_mask, completions.completion_mask], 1),
             loss_mask=loss_mask,
-            old_logp=completions.logprobs,
+            old_logp=completions.logprobs if cfg.logprobs_from_generation else None,
             rewards=rewards,
             advantages=self.advantage(rewards, cfg.group_size),
             truncated=completions.truncated,
-            routing_trace=self.routing.generation_trace(completions.prompt_ids.shape[1], input_ids.shape[1]),
+            routing_trace=rollout_trace,
+            rollout_logp=completions.logprobs,
+            rollout_trace=rollout_trace,
         ).to(self.device)
+        started = time.perf_counter()
+        metrics.update(self.mismatch(batch))
+        metrics["time/mismatch_s"] = time.perf_counter() - started
         started = time.perf_counter()
         if batch.old_logp is None:
             with torch.no_grad(), self.routing.old_policy(batch) as trace:
@@ -206,6 +211,30 @@ class RLModule(L.LightningModule):
                 batch.ref_logp, _ = self.logprobs(batch, self.reference)
             metrics["time/ref_logprobs_s"] = time.perf_counter() - started
         return batch
+
+    def sample(self, prompts: list[str], metrics: dict[str, float]) -> Completions:
+        """Completions from the rollout engine, its weights first refreshed from the trainer's current ones;
+        the engine's own log-probs of the sampled tokens are always kept."""
+        cfg = self.rollout_cfg
+        started = time.perf_counter()
+        self.engine.sync()
+        synced = time.perf_counter()
+        with self.engine.generating(), self.routing.generation(self.engine.model):
+            completions = generate(
+                self.engine.model, self.tokenizer, prompts, cfg.max_new_tokens, temperature=cfg.temperature,
+                top_p=cfg.top_p, suppress_eos=cfg.suppress_eos, return_logprobs=True,
+            )
+        metrics["time/engine_sync_s"] = synced - started
+        metrics["time/generate_s"] = time.perf_counter() - synced
+        return completions
+
+    def mismatch(self, batch: RolloutBatch) -> dict[str, float]:
+        """mismatch/* and routing/rollout_disagreement*: the trainer's own log-probs and experts (no replay,
+        no grad) against the engine's, on the diagnostic rows of the batch, before any update."""
+        rows = self.routing.diagnostic_rows(batch)
+        train_logp, metrics = self.routing.before_update(rows, self.logprobs)
+        completion_mask = rows.attention_mask[:, -rows.completion_len :]
+        return {**metrics, **mismatch_metrics(train_logp, rows.rollout_logp, completion_mask)}
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         optimizer = self.optimizers()

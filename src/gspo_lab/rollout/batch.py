@@ -24,6 +24,8 @@ class RolloutBatch:
     truncated: Tensor  # [B] bool, no EOS within max_new_tokens
     routing_trace: Any = None  # expert choices to replay (gspo_lab.routing), or None
     ref_logp: Tensor | None = None  # [B, C] log-probs under the frozen reference policy (objective.beta > 0)
+    rollout_logp: Tensor | None = None  # [B, C] the rollout engine's own log-probs of the sampled tokens
+    rollout_trace: Any = None  # the rollout engine's expert choices during generation (MoE), or None
 
     @property
     def completion_len(self) -> int:

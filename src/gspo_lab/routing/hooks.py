@@ -30,7 +30,7 @@ def _batch_shape(args, kwargs) -> tuple[int, int]:
 
 
 @contextmanager
-def _hooks(model: torch.nn.Module, router_hook, purpose: str) -> Iterator[list[tuple[int, int]]]:
+def router_hooks(model: torch.nn.Module, router_hook, purpose: str) -> Iterator[list[tuple[int, int]]]:
     """Registers `router_hook(layer, router, adapter, output, shape)` on every router; yields the list of
     [B, S] shapes of the decoder calls made inside the context."""
     routers = find_routers(model, purpose)
@@ -74,7 +74,7 @@ def record_routing(model: torch.nn.Module, prompt_len: int | None = None) -> Ite
     processes inside the context (a forward over [B, L], or generate's prefill and each decode step)."""
     recorder = _Recorder(len(find_routers(model, "record_routing")))
     trace = RoutingTrace(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.bool), prompt_len)
-    with _hooks(model, recorder, "record_routing"):
+    with router_hooks(model, recorder, "record_routing"):
         yield trace
     finished = recorder.trace(prompt_len)
     trace.indices, trace.recorded = finished.indices, finished.recorded
@@ -113,5 +113,5 @@ def replay_routing(model: torch.nn.Module, trace: RoutingTrace, valid: Tensor | 
             stats.replayed += int((recorded if valid_flat is None else recorded & valid_flat).sum())
         return logits, adapter.gate_weights(router, logits, indices), indices
 
-    with _hooks(model, replay, "replay_routing"):
+    with router_hooks(model, replay, "replay_routing"):
         yield stats

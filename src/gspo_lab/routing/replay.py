@@ -1,13 +1,14 @@
 """How an RL step uses routing replay, by mode (`routing.replay`), and the routing diagnostics.
 
-    off  the old-policy forward records the experts (for diagnostics only), or generation does when old
-         log-probs come from generation; nothing is replayed
+Generation always records the rollout engine's experts (the rollout trace). Then, by mode:
+    off  the old-policy forward (if any) records the trainer's experts; nothing is replayed
     r2   the old-policy forward records; every training forward of that rollout batch replays (needs
          rollout.logprobs_from_generation=false)
-    r3   generation records; the old-policy forward (if any) and every training forward replay
-Whatever the mode, after a step's updates one no-grad forward over the first `routing.diagnostics_rows` rows
-of the rollout batch records the current policy's choices and compares them with the old policy's: routing/changed_frac (and per layer),
-routing/changed_tokens_frac; under replay also routing/override_frac.
+    r3   the old-policy forward (if any) and every training forward replay the rollout trace
+Whatever the mode, the first `routing.diagnostics_rows` rows of the rollout batch get a no-grad trainer forward
+without replay before the updates (`before_update`: the trainer's own experts, compared with the engine's as
+routing/rollout_disagreement and routing/rollout_disagreement_tokens) and another after them (`diagnostics`:
+routing/changed_frac and per layer, routing/changed_tokens_frac; under replay also routing/override_frac).
 """
 
 from __future__ import annotations
@@ -30,26 +31,26 @@ def is_moe(model: torch.nn.Module) -> bool:
 class RoutingReplay:
     """The module's view of routing for one model and mode; a dense model gets no routing metrics."""
 
-    def __init__(self, model: torch.nn.Module, mode: str, record_generation: bool = False,
-                 diagnostics_rows: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, mode: str, diagnostics_rows: int | None = None) -> None:
         if mode not in REPLAY_MODES:
             raise ValueError(f"routing.replay={mode!r} must be one of {list(REPLAY_MODES)}")
         self.model, self.mode = model, mode
         self.moe = is_moe(model)
         if mode != "off" and not self.moe:
             find_routers(model, f"routing.replay={mode}")  # raises: dense or unsupported MoE
-        self.record_generation = self.moe and (mode == "r3" or record_generation)
         self.diagnostics_rows = diagnostics_rows
         self._generation_trace: RoutingTrace | None = None
+        self._before: RoutingTrace | None = None  # the trainer's experts on the diagnostics rows, before updates
         self._stats = ReplayStats()
 
     @contextmanager
-    def generation(self) -> Iterator[None]:
-        """Around generate: records when the mode (or old log-probs from generation) needs it."""
-        if not self.record_generation:
+    def generation(self, engine_model: torch.nn.Module) -> Iterator[None]:
+        """Around generate on the rollout engine's model (the trainer's own, or the engine's copy): records
+        its experts."""
+        if not self.moe:
             yield
             return
-        with record_routing(self.model) as trace:
+        with record_routing(engine_model) as trace:
             yield
         self._generation_trace = trace
 
@@ -87,18 +88,36 @@ class RoutingReplay:
         self._stats.overridden += stats.overridden
         self._stats.replayed += stats.replayed
 
-    def diagnostics(self, batch, logprobs: Callable) -> dict[str, float]:
-        """Routing change of the rollout batch after its updates (one extra no-grad forward of its first
-        `diagnostics_rows` rows)."""
-        if not self.moe or batch.routing_trace is None:
-            return {}
+    def diagnostic_rows(self, batch):
+        """The first `diagnostics_rows` rows of the batch (whole groups), on which routing and mismatch are
+        measured."""
         rows = len(batch.rewards) if self.diagnostics_rows is None else min(self.diagnostics_rows, len(batch.rewards))
-        batch = batch.rows(torch.arange(rows, device=batch.input_ids.device))
+        return batch.rows(torch.arange(rows, device=batch.input_ids.device))
+
+    def before_update(self, rows, logprobs: Callable) -> tuple[torch.Tensor, dict[str, float]]:
+        """The trainer's own log-probs of the diagnostic `rows` before the updates (no grad, no replay), and
+        how its experts differ from the rollout engine's on the same tokens."""
+        with torch.no_grad(), (record_routing(self.model) if self.moe else nullcontext()) as trace:
+            train_logp, _ = logprobs(rows)
+        self._before = trace
+        if not self.moe or rows.rollout_trace is None:
+            return train_logp, {}
+        differ = changed_fraction(rows.rollout_trace, trace, rows.attention_mask)
+        return train_logp, {"routing/rollout_disagreement": differ["routing/changed_frac"],
+                            "routing/rollout_disagreement_tokens": differ["routing/changed_tokens_frac"]}
+
+    def diagnostics(self, batch, logprobs: Callable) -> dict[str, float]:
+        """Routing change of the diagnostic rows after the updates against `before_update`'s (one more no-grad
+        forward)."""
+        if not self.moe or self._before is None:
+            return {}
+        batch = self.diagnostic_rows(batch)
         with torch.no_grad(), record_routing(self.model) as current:
             logprobs(batch)
-        metrics = changed_fraction(batch.routing_trace, current, batch.attention_mask)
+        metrics = changed_fraction(self._before, current, batch.attention_mask)
         if self.mode != "off":
             metrics["routing/override_frac"] = self._stats.override_frac
             self._stats = ReplayStats()
-        metrics["routing/trace_bytes_per_token"] = batch.routing_trace.bytes_per_token()
+        metrics["routing/trace_bytes_per_token"] = self._before.bytes_per_token()
+        self._before = None
         return metrics

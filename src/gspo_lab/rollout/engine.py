@@ -1,0 +1,116 @@
+"""The rollout engine: what samples the completions, made to differ from the trainer the way an inference
+engine does (issue 13; GSPO paper section 5.4, R3 arXiv 2510.11370).
+
+    rollout.engine.precision     fp32 | bf16   generation with a bfloat16 copy of the weights
+    rollout.engine.router_noise  σ >= 0        Gaussian noise on router logits during generation, σ × their std
+    rollout.engine.weight_bits   null | 8      generation with weights fake-quantised per output channel
+
+The defaults make the engine the trainer itself (no copy, no hook: exact, as before). Otherwise the engine
+holds its own copy of the policy, refreshed from the trainer's weights before every rollout (so after every
+RL step's updates; `time/engine_sync_s`), and router noise is a hook on the generating model's routers that
+recomputes the top-k and its gate weights from the noisy logits, the way the router itself would.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from gspo_lab.config import PRECISIONS, EngineConfig
+from gspo_lab.routing.hooks import router_hooks
+
+
+def fake_quantise(weight: Tensor, bits: int) -> Tensor:
+    """Symmetric per-output-channel quantisation, returned dequantised: w_q = round(w / s) s with
+    s = max |w| over the channel / (2^(bits-1) - 1). Channels are the first dimension of a 2-D weight and the
+    first two of a 3-D expert bank [experts, out, in].
+
+    >>> fake_quantise(torch.tensor([[1.0, -0.5, 0.26]]), 8).tolist()  # s = 1/127: 0.26 -> 33/127
+    [[1.0, -0.5039370059967041, 0.25984251499176025]]
+    """
+    levels = 2 ** (bits - 1) - 1
+    scale = weight.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(weight.dtype).tiny) / levels
+    return torch.round(weight / scale) * scale
+
+
+class RolloutEngine:
+    """The model that generates, and the differences it has from the trainer's `model`."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        self.trainer_model, self.config = model, config
+        self.copy = None
+        if config.copies_weights:
+            self.copy = copy.deepcopy(model).requires_grad_(False).eval()
+            for parameter in self.copy.parameters():  # weights only: buffers (rotary frequencies) stay as they are
+                parameter.data = parameter.data.to(PRECISIONS[config.precision])
+            self.sync()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model generation runs on: the engine's copy, or the trainer's model itself."""
+        return self.trainer_model if self.copy is None else self.copy
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Copy the trainer's current weights into the engine's (cast, then quantised): after every update."""
+        if self.copy is None:
+            return
+        device = next(self.trainer_model.parameters()).device
+        if next(self.copy.parameters()).device != device:  # Lightning moved the trainer's model, not this copy
+            self.copy.to(device)
+        for (name, source), target in zip(self.trainer_model.named_parameters(), self.copy.parameters()):
+            value = source.detach().to(target.dtype)
+            if self.config.weight_bits is not None and value.dim() >= 2 and "embed" not in name and "norm" not in name:
+                value = fake_quantise(value.float(), self.config.weight_bits).to(target.dtype)
+            target.copy_(value)
+
+    def generating(self):
+        """Around generate: router noise on the engine model's routers (none by default)."""
+        if self.config.router_noise == 0:
+            return nullcontext()
+        return noisy_routers(self.model, self.config.router_noise)
+
+
+@contextmanager
+def noisy_routers(model: torch.nn.Module, sigma: float) -> Iterator[None]:
+    """Every router's logits get ε ~ N(0, (σ · std(logits of that token))²); the top-k and the gate weights
+    are then taken from the noisy logits as the router computes them (RouterAdapter.gate_weights)."""
+
+    def perturb(layer, router, adapter, output, shape):
+        logits, _, indices = output
+        noisy = logits + sigma * logits.std(dim=-1, keepdim=True) * torch.randn_like(logits)  # [N, E]
+        chosen = noisy.topk(indices.shape[-1], dim=-1).indices.to(indices.dtype)  # [N, k]
+        return noisy, adapter.gate_weights(router, noisy, chosen), chosen
+
+    with router_hooks(model, perturb, "rollout.engine.router_noise"):
+        yield
+
+
+def mismatch_metrics(train_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the engine's log-probs of the sampled tokens are from the trainer's (R3, arXiv 2510.11370).
+    train_logp, engine_logp, mask: [B, C]. With ρ_t = π_train(y_t) / π_engine(y_t):
+        mismatch/kl                  mean over tokens of k3 = ρ - 1 - log ρ
+        mismatch/extreme_frac        fraction of tokens with max(ρ, 1/ρ) > 2 (R3's F(2))
+        mismatch/seq_log_ratio_abs   mean over sequences of |mean_t log ρ_t|
+
+    >>> m = mismatch_metrics(torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, -2.0]]), torch.ones(1, 2))
+    >>> round(m["mismatch/kl"], 6), m["mismatch/extreme_frac"], m["mismatch/seq_log_ratio_abs"]  # ρ = 1, e
+    (0.359141, 0.5, 0.5)
+    """
+    valid = mask.bool()
+    log_rho = torch.where(valid, train_logp.double() - engine_logp.double(), 0.0)  # [B, C] log ρ_t
+    k3 = log_rho.exp() - 1 - log_rho  # [B, C]
+    lengths = valid.sum(-1)  # [B]
+    tokens = lengths.sum().clamp(min=1)
+    rows = lengths > 0
+    seq_mean = log_rho.sum(-1) / lengths.clamp(min=1)  # [B] mean_t log ρ_t
+    return {
+        "mismatch/kl": (k3.sum() / tokens).item(),
+        "mismatch/extreme_frac": ((log_rho.abs() > math.log(2)) & valid).sum().item() / tokens.item(),
+        "mismatch/seq_log_ratio_abs": (seq_mean.abs()[rows].mean().item() if rows.any() else 0.0),
+    }
