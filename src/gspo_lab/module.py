@@ -275,7 +275,7 @@ class RLModule(L.LightningModule):
             logp, entropy = self.logprobs(minibatch)
             try:
                 out = self.objective(logp, minibatch.old_logp, minibatch.advantages, minibatch.loss_mask,
-                                     ref_logp=minibatch.ref_logp)
+                                     ref_logp=minibatch.ref_logp, rollout_logp=minibatch.rollout_logp)
             except NonFiniteLossError as error:
                 log.warning("RL step %d: %s", self.rl_step, error)
                 out = None

@@ -83,6 +83,7 @@ def plan(cfg: DictConfig) -> Plan:
         trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
         parts["train"].check_against(parts["rollout"], trainer.world_size)
         parts["routing"].check_against(parts["rollout"])
+        check_rollout_correction(parts["objective"], parts["rollout"])
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error
     except (ValueError, FileNotFoundError) as error:
@@ -90,6 +91,18 @@ def plan(cfg: DictConfig) -> Plan:
     run_dir = Path(cfg.paths.output_dir)
     return Plan(run_dir, trainer, loggers, callbacks, ckpt_path=resolve_checkpoint(cfg.get("ckpt_path"), run_dir),
                 **parts)
+
+
+def check_rollout_correction(objective, rollout) -> None:
+    """A rollout correction reweights π_old (a trainer forward) toward the engine that sampled; with π_old
+    taken from the engine itself there is nothing to correct."""
+    correction = getattr(objective, "rollout_correction", "none")
+    if correction != "none" and rollout.logprobs_from_generation:
+        raise ValueError(
+            f"objective.rollout_correction={correction!r} is invalid with rollout.logprobs_from_generation=true: "
+            "it corrects a trainer-computed π_old toward the engine's samples, and π_old is then the engine's own; "
+            "set rollout.logprobs_from_generation=false"
+        )
 
 
 def resolve_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:

@@ -71,3 +71,11 @@ def test_router_noise_moves_the_engines_experts_and_r3_replays_them(compose, rl_
         assert row["routing/rollout_disagreement"] > 0.05
         assert row["routing/override_frac"] > 0.05  # the first (only) mini-batch: weights as at generation
         assert not math.isnan(row["mismatch/kl"])
+
+
+def test_token_tis_corrects_a_trainer_pi_old_toward_a_bf16_engine(compose, rl_overrides):
+    rows = run_metrics(compose, rl_overrides, "algorithm=grpo", "rollout.engine.precision=bf16",
+                       "rollout.logprobs_from_generation=false", "objective.rollout_correction=tis_token")
+    for row in rows:
+        assert row["is/weight_mean"] != 1 and 0 <= row["is/capped_frac"] <= 1
+        assert abs(row["ratio/max"] - 1) < 1e-5  # π_old is the trainer's: the PPO ratio is on-policy

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gspo_lab.objectives.rollout_correction import CORRECTIONS, correction_weights
+
 
 class NonFiniteLossError(FloatingPointError):
     """Raised when an objective's loss is NaN or infinite; the message names the objective."""
@@ -73,6 +75,9 @@ class Objective(ABC):
         clip_high: the ratio is clipped above at 1 + clip_high (> 0).
         beta: coefficient of the k3 KL penalty to a reference policy; 0 needs no reference.
         log_ratio_clamp: clamp the log-ratio entering exp() to [-c, c]; None (default) keeps it exact.
+        rollout_correction: "none", or how each policy-loss term is weighted for the rollout engine's mismatch
+            to the trainer (gspo_lab.objectives.rollout_correction): tis_token, tis_seq, mis_token, mis_seq.
+        rollout_correction_cap: C, the cap of those weights (> 1).
     """
 
     name = "objective"
@@ -83,6 +88,8 @@ class Objective(ABC):
         clip_high: float,
         beta: float = 0.0,
         log_ratio_clamp: float | None = None,
+        rollout_correction: str = "none",
+        rollout_correction_cap: float = 2.0,
     ) -> None:
         prefix = type(self).__name__
         if not 0 < clip_low < 1:
@@ -93,10 +100,15 @@ class Objective(ABC):
             raise ValueError(f"{prefix}: objective.beta={beta!r} must be >= 0")
         if log_ratio_clamp is not None and not log_ratio_clamp > 0:
             raise ValueError(f"{prefix}: objective.log_ratio_clamp={log_ratio_clamp!r} must be > 0 or null")
+        if rollout_correction not in CORRECTIONS:
+            raise ValueError(f"{prefix}: objective.rollout_correction={rollout_correction!r} must be one of {list(CORRECTIONS)}")
+        if not rollout_correction_cap > 1:
+            raise ValueError(f"{prefix}: objective.rollout_correction_cap={rollout_correction_cap!r} must be > 1")
         self.clip_low = float(clip_low)
         self.clip_high = float(clip_high)
         self.beta = float(beta)
         self.log_ratio_clamp = log_ratio_clamp
+        self.rollout_correction, self.rollout_correction_cap = rollout_correction, float(rollout_correction_cap)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -125,6 +137,7 @@ class Objective(ABC):
         advantages: Tensor,
         mask: Tensor,
         ref_logp: Tensor | None = None,
+        rollout_logp: Tensor | None = None,
     ) -> ObjectiveOutput:
         batch = self._prepare(logp, old_logp, advantages, mask)
         ratio = self.token_ratio(batch)
@@ -132,9 +145,19 @@ class Objective(ABC):
         clipped_r = r.clamp(1 - self.clip_low, 1 + self.clip_high)
         # J = min(r A, clip(r, 1-ε_low, 1+ε_high) A); the loss is its negation
         per_token = -torch.minimum(r * adv, clipped_r * adv)  # [B, T]
+        metrics: dict[str, Tensor] = {}
+        if self.rollout_correction != "none":
+            if rollout_logp is None:
+                raise ValueError(f"{type(self).__name__}: objective.rollout_correction={self.rollout_correction!r} "
+                                 "needs rollout_logp (the engine's log-probs)")
+            engine = torch.where(batch.mask.bool(), rollout_logp.to(batch.logp.dtype), 0.0)
+            weights, is_metrics = correction_weights(batch.old_logp, engine, batch.mask, self.rollout_correction,
+                                                     self.rollout_correction_cap)
+            per_token = per_token * weights  # each term × sg[w]: the engine sampled, π_old is the trainer's
+            metrics.update(is_metrics)
         policy_loss = self.aggregate(per_token, batch)
         loss = policy_loss
-        metrics: dict[str, Tensor] = {"loss/policy": policy_loss}
+        metrics["loss/policy"] = policy_loss
         if self.beta > 0:
             if ref_logp is None:
                 raise ValueError(f"{type(self).__name__}: objective.beta={self.beta} > 0 needs ref_logp")

@@ -22,7 +22,8 @@ class GRPO(Objective):
             Dr. GRPO's constant normaliser: the sum of all token terms divided by B × max_len.
         max_len: the constant T of that normaliser, normally the generation budget; None uses the mask's
             width (then extra padded columns change the loss).
-        clip_low, clip_high, beta, log_ratio_clamp: see `Objective`. The paper's GRPO clip: 0.2 / 0.27.
+        clip_low, clip_high, beta, log_ratio_clamp, rollout_correction(_cap): see `Objective`. The paper's GRPO
+            clip: 0.2 / 0.27.
     """
 
     name = "grpo"
@@ -35,8 +36,10 @@ class GRPO(Objective):
         max_len: int | None = None,
         beta: float = 0.0,
         log_ratio_clamp: float | None = None,
+        rollout_correction: str = "none",
+        rollout_correction_cap: float = 2.0,
     ) -> None:
-        super().__init__(clip_low, clip_high, beta, log_ratio_clamp)
+        super().__init__(clip_low, clip_high, beta, log_ratio_clamp, rollout_correction, rollout_correction_cap)
         if max_len is not None and not max_len >= 1:
             raise ValueError(f"GRPO: objective.max_len={max_len!r} must be >= 1 or null")
         self.length_norm = bool(length_norm)

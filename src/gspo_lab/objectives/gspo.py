@@ -25,7 +25,7 @@ class GSPO(Objective):
     Args:
         length_norm: True (the paper) raises the sequence likelihood ratio to 1/|y_i|; False keeps the raw
             ratio, the length-normalisation ablation.
-        clip_low, clip_high, beta, log_ratio_clamp: see `Objective`. Paper defaults: 3e-4 / 4e-4.
+        clip_low, clip_high, beta, log_ratio_clamp, rollout_correction(_cap): see `Objective`. Paper defaults: 3e-4 / 4e-4.
     """
 
     name = "gspo"
@@ -37,8 +37,10 @@ class GSPO(Objective):
         length_norm: bool = True,
         beta: float = 0.0,
         log_ratio_clamp: float | None = None,
+        rollout_correction: str = "none",
+        rollout_correction_cap: float = 2.0,
     ) -> None:
-        super().__init__(clip_low, clip_high, beta, log_ratio_clamp)
+        super().__init__(clip_low, clip_high, beta, log_ratio_clamp, rollout_correction, rollout_correction_cap)
         self.length_norm = bool(length_norm)
 
     def _check_advantages(self, batch: MaskedBatch) -> None:
