@@ -5,9 +5,12 @@ task's BPE tokenizer round-trips and reloads, and one real RL step runs on it.""
 import random
 
 import pytest
+from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
+from gspo_lab.cold_start import cache_key
 from gspo_lab.models import TinyModel
+from gspo_lab.sft import SFTConfig
 from gspo_lab.tasks import Example, ReasoningGym
 from gspo_lab.train import ConfigError, plan, train
 
@@ -117,3 +120,13 @@ def test_one_rl_step_runs_with_the_task_bpe_tokenizer(compose, rl_overrides, tmp
     summary = train(cfg)
     final = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")  # saved beside the final checkpoint
     assert len(final) == 300 and summary is not None
+
+
+def test_the_cold_start_cache_key_covers_the_tokenizer_choice(compose):
+    def key(*overrides):
+        cfg = compose(["task=rg_word_sorting", *overrides])
+        model, task = (OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task"))
+        return cache_key(model, task, SFTConfig(**OmegaConf.to_container(cfg.sft)), cfg.seed)
+
+    keys = {key(), key("model.tokenizer=task_bpe"), key("model.tokenizer=task_bpe", "model.tokenizer_vocab_size=256")}
+    assert len(keys) == 3
