@@ -77,10 +77,13 @@ def test_sampling_is_deterministic_for_a_seed(word_sorting):
                                    r"min_words must be positive$"),
     (["+task.config.colour=1"], r"^task.config.colour=1 is not a setting of reasoning-gym's word_sorting; its "
                                 r"settings are \['min_words', 'max_words', "),
-    (["+task.config.seed=1"], r"task.config.seed=1 is not a setting .* \(the task owns seed and size\)$"),
+    (["+task.config.seed=1"], r"task.config.seed=1 is not a setting .* \(the seed is the task's; the size is "
+                              r"task.dataset_size\)$"),
     (["+task.config.min_words=5", "+task.config.max_words=3"],
-     r"^task.config.min_words=5, task.config.max_words=3: rejected together by reasoning-gym's word_sorting: "
-     r"max_words must be >= min_words$"),
+     r"^task.config.min_words=5, task.config.max_words=3, task.dataset_size=1000000: rejected together by "
+     r"reasoning-gym's word_sorting: max_words must be >= min_words$"),
+    (["task.dataset=word_ladder"], r"^task.dataset_size=1000000: rejected together by reasoning-gym's word_ladder: "),
+    (["task.dataset_size=0"], r"^task.dataset_size=0 must be >= 1$"),
     (["model.tokenizer=bpe"], r"^model.tokenizer='bpe' must be one of \('char', 'task_bpe'\)$"),
     (["model.tokenizer=task_bpe", "model.tokenizer_vocab_size=50"], r"^model.tokenizer_vocab_size=50 must be >= 100"),
 ])
