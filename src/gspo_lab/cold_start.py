@@ -69,7 +69,7 @@ def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_di
 
 def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, accelerator) -> dict[str, Any]:
     L.seed_everything(seed, workers=True, verbose=False)
-    model, tokenizer = model_source.load()
+    model, tokenizer = model_source.load(task)
     module = SFTModule(model, tokenizer, task, sft, seed)
     trainer = L.Trainer(
         max_steps=sft.steps,
@@ -105,7 +105,7 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
     sft = SFTConfig(**OmegaConf.to_container(cfg.sft, resolve=True))
     if not sft.enabled:
         L.seed_everything(cfg.seed, verbose=False)
-        model, tokenizer = model_source.load()
+        model, tokenizer = model_source.load(task)
         return model, tokenizer, {"enabled": False}
     key = cache_key(*(OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task")), sft, cfg.seed)
     accelerator = cfg.trainer.get("accelerator", "cpu") if "trainer" in cfg else "cpu"

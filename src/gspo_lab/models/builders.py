@@ -1,14 +1,16 @@
 """Where a run's policy comes from: a tiny transformers model built from config, or a local checkpoint.
 
-`model=` in the Hydra config instantiates one of the two classes below; `.load()` returns the model and
-its tokenizer. Both are real Hugging Face classes: `AutoModelForCausalLM.from_config` for the tiny
-architectures (Qwen3-MoE, Qwen3, Mixtral, OLMoE, Qwen2-MoE, or any other `model_type` transformers ships),
+`model=` in the Hydra config instantiates one of the two classes below; `.load(task)` returns the model and
+its tokenizer (the task's text trains a tiny model's `task_bpe` tokenizer; a checkpoint keeps its own). Both
+are real Hugging Face classes: `AutoModelForCausalLM.from_config` for the tiny architectures (Qwen3-MoE,
+Qwen3, Mixtral, OLMoE, Qwen2-MoE, or any other `model_type` transformers ships),
 `AutoModelForCausalLM.from_pretrained(path, local_files_only=True)` for checkpoints. Loading refuses a model
 whose own log-probs training would not reproduce (gspo_lab.rollout.logprobs.check_logprobs_match).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,10 +20,13 @@ from torch.distributed._composable import checkpoint
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from gspo_lab.models.tokenizer import char_tokenizer
+from gspo_lab.models.tokenizer import char_tokenizer, check_bpe_vocab_size, task_bpe_tokenizer
 from gspo_lab.rollout.logprobs import check_logprobs_match
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZERS = ("char", "task_bpe")
+BPE_CORPUS_DRAWS = 4000  # task samples drawn to train a task_bpe tokenizer; those of the training split are kept
+BPE_CORPUS_SEED = "task_bpe"
 
 
 def _dtype(name: str, key: str) -> torch.dtype:
@@ -42,6 +47,8 @@ class TinyModel:
         gradient_checkpointing: recompute activations in the backward pass (`checkpoint_blocks`).
         experts_implementation: the MoE expert kernel: "index_add" (gspo_lab.models.experts), or
             transformers' "grouped_mm" or "eager".
+        tokenizer: "char" (one token per character) or "task_bpe" (BPE trained on the task's training-split
+            prompts and answers when the model loads; `tokenizer_vocab_size` tokens at most).
     """
 
     arch: str
@@ -49,14 +56,33 @@ class TinyModel:
     dtype: str = "float32"
     gradient_checkpointing: bool = False
     experts_implementation: str | None = None
+    tokenizer: str = "char"
+    tokenizer_vocab_size: int = 512
 
     def __post_init__(self) -> None:
         if self.arch not in CONFIG_MAPPING:
             raise ValueError(f"model.arch={self.arch!r} is not a transformers model_type (e.g. qwen3_moe, mixtral)")
         _dtype(self.dtype, "model.dtype")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"model.tokenizer={self.tokenizer!r} must be one of {TOKENIZERS}")
+        if self.tokenizer == "task_bpe":
+            check_bpe_vocab_size(self.tokenizer_vocab_size)
 
-    def load(self):
-        tokenizer = char_tokenizer()
+    def build_tokenizer(self, task=None):
+        """The character tokenizer, or a BPE tokenizer trained on `task`'s training-split text."""
+        if self.tokenizer == "char":
+            return char_tokenizer()
+        if task is None:
+            raise ValueError("model.tokenizer='task_bpe' is trained on the task's text: load(task) needs the task")
+        rng = random.Random(BPE_CORPUS_SEED)
+        drawn = (task.sample(rng) for _ in range(BPE_CORPUS_DRAWS))
+        train = [e for e in drawn if task.split_of(e.prompt) == "train"]
+        return task_bpe_tokenizer(
+            [text for e in train for text in (e.prompt, task.demonstration(e))], self.tokenizer_vocab_size
+        )
+
+    def load(self, task=None):
+        tokenizer = self.build_tokenizer(task)
         try:
             config = AutoConfig.for_model(
                 self.arch,
@@ -101,7 +127,8 @@ class PretrainedModel:
             raise ValueError("model.path is not set: model=hf needs model.path=/path/to/checkpoint")
         _check_checkpoint_dir(Path(self.path).expanduser())
 
-    def load(self):
+    def load(self, task=None):
+        """The checkpoint and its own tokenizer; `task` is accepted for a uniform interface and not used."""
         return self.load_from(self.path)
 
     def load_from(self, path: str | Path):
