@@ -95,6 +95,8 @@ def main() -> None:
     print(f"  seconds per RL step   {step:.4f}")
     print(f"    generation          {median['time/generate_s']:.4f}")
     print(f"    old log-probs       {median['time/old_logprobs_s']:.4f}")
+    mismatch_s = statistics.median(r["time/mismatch_s"] for r in rows)  # the trainer-vs-engine forward
+    print(f"    mismatch forward    {mismatch_s:.4f} (diagnostic rows, part of the rollout)")
     if cfg.objective.beta > 0:  # a frozen copy of the policy, one no-grad forward per rollout batch
         reference_s = statistics.median(r["time/ref_logprobs_s"] for r in rows)
         print(f"    reference log-probs {reference_s:.4f} (part of the rollout; its weights: {parameter_mib:.1f} MiB)")
