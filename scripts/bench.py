@@ -69,7 +69,7 @@ def main() -> None:
         cfg = compose("train", overrides=[f"experiment={args.workload}", f"train.steps={args.steps}",
                                           f"paths.output_dir={out}", "callbacks.progress.refresh_rate=0",
                                           *args.overrides])
-        model, _ = instantiate(cfg.model).load()
+        model, _ = instantiate(cfg.model).load(instantiate(cfg.task))  # task_bpe trains on the task
         active = active_parameters(model)
         parameter_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         dtype, device = next(model.parameters()).dtype, "cuda" if cfg.trainer.accelerator == "gpu" else "cpu"

@@ -35,7 +35,7 @@ def finished_runs(sweep: Path) -> list[Path]:
 def test_every_experiment_is_tested():
     assert STUDIES == ["clip_range", "expert_volatility", "group_size", "length_norm", "off_policy", "paper_main",
                        "routing_replay"]
-    assert SINGLE_RUNS == ["bench_anchor", "bench_gpu"]
+    assert SINGLE_RUNS == ["bench_anchor", "bench_gpu", "bench_paper"]
 
 
 @pytest.mark.slow
