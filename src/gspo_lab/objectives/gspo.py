@@ -25,7 +25,8 @@ class GSPO(Objective):
     Args:
         length_norm: True (the paper) raises the sequence likelihood ratio to 1/|y_i|; False keeps the raw
             ratio, the length-normalisation ablation.
-        clip_low, clip_high, beta, log_ratio_clamp, rollout_correction(_cap): see `Objective`. Paper defaults: 3e-4 / 4e-4.
+        clip_low, clip_high, beta, log_ratio_clamp, rollout_correction(_cap): see `Objective`. Paper defaults:
+            3e-4 / 4e-4.
     """
 
     name = "gspo"
