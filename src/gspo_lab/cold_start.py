@@ -19,7 +19,7 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import hydra
 import lightning as L
@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.loggers import quiet_libraries
+from gspo_lab.models.builders import ContextTooLong, check_context
 from gspo_lab.sft import SFTConfig, SFTModule
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,10 @@ def cache_key(model_cfg: dict, task_cfg: dict, sft: SFTConfig, seed: int) -> str
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_dir: str | Path, accelerator="cpu"):
-    """The SFT'd model and tokenizer, trained now or loaded from the cache; plus the stage's info dict."""
+def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_dir: str | Path, accelerator="cpu",
+               check: Callable[[Any, Any], None] | None = None):
+    """The SFT'd model and tokenizer, trained now or loaded from the cache; plus the stage's info dict.
+    `check(model, tokenizer)` runs on the freshly built model before any training."""
     entry = Path(cache_dir).expanduser() / key
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.parent / f"{key}.lock", "w") as lock:
@@ -62,14 +65,16 @@ def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_di
             log.info("cold start: cache hit %s (held-out accuracy %.3f)", entry, info["accuracy"])
             model, tokenizer = model_source.load_from(entry)
             return model, tokenizer, {**info, "cache_hit": True, "path": str(entry)}
-        info = _train_and_save(model_source, task, sft, seed, entry, accelerator)
+        info = _train_and_save(model_source, task, sft, seed, entry, accelerator, check)
     model, tokenizer = model_source.load_from(entry)
     return model, tokenizer, {**info, "cache_hit": False, "path": str(entry)}
 
 
-def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, accelerator) -> dict[str, Any]:
+def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, accelerator, check) -> dict[str, Any]:
     L.seed_everything(seed, workers=True, verbose=False)
     model, tokenizer = model_source.load(task)
+    if check is not None:
+        check(model, tokenizer)
     module = SFTModule(model, tokenizer, task, sft, seed)
     trainer = L.Trainer(
         max_steps=sft.steps,
@@ -103,13 +108,21 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
     """The run's starting policy: the cached cold start when `sft.enabled`, else the model as built."""
     model_source = instantiate(cfg.model)
     sft = SFTConfig(**OmegaConf.to_container(cfg.sft, resolve=True))
+    budgets = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
     if not sft.enabled:
         L.seed_everything(cfg.seed, verbose=False)
         model, tokenizer = model_source.load(task)
+        check_context(model, tokenizer, task, budgets)
         return model, tokenizer, {"enabled": False}
+    budgets["sft.max_new_tokens"] = sft.max_new_tokens
+
+    def check(model, tokenizer) -> None:  # before the cold start trains, and again on a cache hit (cheap)
+        check_context(model, tokenizer, task, budgets)
+
     key = cache_key(*(OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task")), sft, cfg.seed)
     accelerator = cfg.trainer.get("accelerator", "cpu") if "trainer" in cfg else "cpu"
-    model, tokenizer, info = cold_start(model_source, task, sft, cfg.seed, key, cfg.paths.cache_dir, accelerator)
+    model, tokenizer, info = cold_start(model_source, task, sft, cfg.seed, key, cfg.paths.cache_dir, accelerator, check)
+    check(model, tokenizer)
     return model, tokenizer, {"enabled": True, **info}
 
 
@@ -117,7 +130,10 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
 def main(cfg: DictConfig) -> float:
     """gspo-sft: run (or load) the cold start of this configuration and print where it lies."""
     quiet_libraries()
-    _, _, info = policy_from_config(cfg, instantiate(cfg.task))
+    try:
+        _, _, info = policy_from_config(cfg, instantiate(cfg.task))
+    except ContextTooLong as error:
+        raise SystemExit(f"gspo-sft: invalid configuration: {error}") from error
     if not info["enabled"]:
         raise SystemExit("gspo-sft: sft.enabled=false, so there is no cold start to run")
     verb = "loaded from cache" if info["cache_hit"] else f"trained in {info['seconds']} s"

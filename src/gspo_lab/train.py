@@ -31,6 +31,7 @@ from gspo_lab import CONFIG_DIR, SOURCE_ROOT
 from gspo_lab.callbacks import GracefulStop
 from gspo_lab.cold_start import policy_from_config
 from gspo_lab.loggers import quiet_libraries
+from gspo_lab.models.builders import ContextTooLong
 from gspo_lab.module import RLModule, TooManySkippedUpdates
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
@@ -127,7 +128,10 @@ def build(cfg: DictConfig) -> tuple[Plan, RLModule, dict]:
     os.environ.setdefault("WANDB_MODE", "offline")  # a user's WANDB_MODE wins
     quiet_libraries()
     run = plan(cfg)
-    model, tokenizer, cold_start = policy_from_config(cfg, run.task)
+    try:
+        model, tokenizer, cold_start = policy_from_config(cfg, run.task)
+    except ContextTooLong as error:
+        raise ConfigError(str(error)) from error
     module = RLModule(model, tokenizer, run.task, run.objective, run.advantage, run.optimizer, run.rollout,
                       run.train, run.routing, cfg.seed)
     return run, module, cold_start

@@ -3,6 +3,7 @@ sampling is deterministic, demonstrations score 1, bad names and settings are re
 task's BPE tokenizer round-trips and reloads, and one real RL step runs on it."""
 
 import random
+import re
 
 import pytest
 from omegaconf import OmegaConf
@@ -12,7 +13,7 @@ from gspo_lab.cold_start import cache_key
 from gspo_lab.models import TinyModel
 from gspo_lab.sft import SFTConfig
 from gspo_lab.tasks import Example, ReasoningGym
-from gspo_lab.train import ConfigError, plan, train
+from gspo_lab.train import ConfigError, build, plan, train
 
 WORDS = {"min_words": 3, "max_words": 3}
 
@@ -133,3 +134,20 @@ def test_the_cold_start_cache_key_covers_the_tokenizer_choice(compose):
 
     keys = {key(), key("model.tokenizer=task_bpe"), key("model.tokenizer=task_bpe", "model.tokenizer_vocab_size=256")}
     assert len(keys) == 3
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["sft.enabled=false"], "rollout.max_new_tokens=80"),
+    (["sft.max_new_tokens=80", "rollout.max_new_tokens=8"], "sft.max_new_tokens=80"),
+])
+def test_a_prompt_and_budget_beyond_the_models_positions_are_refused_before_training(overrides, key, compose, tmp_path):
+    # word_sorting's longest instruction is 415 char tokens: it fits 480 positions, and
+    # with 80 new tokens it does not
+    cfg = compose(["task=rg_word_sorting", "rollout.max_new_tokens=80", "model.config.max_position_embeddings=480",
+                   f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}", *overrides])
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} does not fit: the longest prompt of task=reasoning_gym "
+                                          r"is 415 tokens .* > model.config.max_position_embeddings=480; ") as refused:
+        build(cfg)
+    assert "\n" not in str(refused.value) and not list(tmp_path.glob("cache/*/sft_info.json"))  # none trained
+    build(compose(["task=rg_word_sorting", "rollout.max_new_tokens=80", "model.tokenizer=task_bpe",
+                   "sft.enabled=false", f"paths.output_dir={tmp_path}"]))  # ~115-token prompts + 80 fit 256

@@ -182,3 +182,31 @@ def checkpoint_blocks(model: PreTrainedModel) -> None:
 
 def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+class ContextTooLong(ValueError):
+    """A prompt plus a generation budget exceeds the model's positions (`check_context`)."""
+
+
+CONTEXT_SAMPLE = 200  # prompts drawn (either split) whose lengths `check_context` measures, beside the held-out set
+
+
+def check_context(model: PreTrainedModel, tokenizer, task, max_new_tokens: dict[str, int]) -> None:
+    """Refuse a run whose sequences would not fit the model's positions: the longest prompt (of the held-out
+    set and a sample of the whole prompt space) plus each generation budget in `max_new_tokens` (config key ->
+    tokens) must fit `max_position_embeddings`. Beyond it a rotary model still runs, on positions it never
+    learned, so nothing else would say so; reasoning-gym's long instructions under the char tokenizer do it.
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None:
+        return
+    rng = random.Random("check_context")
+    prompts = [e.prompt for e in task.eval_examples()] + [task.sample(rng).prompt for _ in range(CONTEXT_SAMPLE)]
+    longest = max(len(ids) for ids in tokenizer(prompts)["input_ids"])
+    for key, tokens in max_new_tokens.items():
+        if longest + tokens > limit:
+            raise ContextTooLong(
+                f"{key}={tokens} does not fit: the longest prompt of task={task.name} is {longest} tokens with "
+                f"this tokenizer, and {longest} + {tokens} > model.config.max_position_embeddings={limit}; "
+                "lower the budget, raise the model's positions, or shorten prompts (model.tokenizer=task_bpe)"
+            )
