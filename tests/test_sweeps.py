@@ -2,6 +2,7 @@
 stop a sweep, and gspo-report turns a multirun dir into its table and figures."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,16 +68,21 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
 
 
 def test_a_sweep_of_two_jobs_runs_both_and_reports(tmp_path):
-    """The smoke test of multirun in `make test`: two parallel joblib jobs, then gspo-report on the sweep."""
+    """The smoke test of multirun in `make test`: two algorithms x two seeds in two parallel joblib jobs, then
+    gspo-report on the sweep: each setting's row has its two seeds and a bootstrap interval."""
     sweep = tmp_path / "sweep"
-    result = gspo_train(["-m", "algorithm=gspo,grpo", "sft.enabled=false", "hydra/launcher=joblib",
+    result = gspo_train(["-m", "algorithm=gspo,grpo", "seed=0,1", "sft.enabled=false", "hydra/launcher=joblib",
                          f"hydra.sweep.dir={sweep}", "model.config.num_hidden_layers=1", "train.eval_every=1", *TINY],
                         tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = finished_runs(sweep)
-    assert [run.name.split(",")[0] for run in runs] == ["0_algorithm=gspo", "1_algorithm=grpo"]
+    assert [run.name.split(",")[0] for run in runs] == ["0_algorithm=gspo", "1_algorithm=gspo", "2_algorithm=grpo",
+                                                        "3_algorithm=grpo"]
     report_main([str(sweep), "--baseline", "algorithm=gspo"])
-    assert "| algorithm=grpo | 1 |" in (sweep / "report.md").read_text()
+    text = (sweep / "report.md").read_text()
+    assert re.search(r"^\| algorithm=grpo \| 2 \| [012] \| \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \|", text, re.MULTILINE)
+    assert re.search(r"^\| algorithm=grpo \| 2 \| -?\d\.\d{3} \[", text.split("## Paired")[1], re.MULTILINE)
+    assert (sweep / "report.html").stat().st_size > 0 and (sweep / "statistics.csv").is_file()
 
 
 @pytest.mark.slow
@@ -95,7 +101,7 @@ def test_joblib_sweep_survives_a_failed_job_and_reports(tmp_path, cold_start_cac
     for name in ["report.md", *FIGURES]:
         assert (sweep / name).stat().st_size > 0, name
     text = (sweep / "report.md").read_text()
-    assert "| algorithm=grpo rollout.temperature=1.0 | 2 |" in text  # two seeds, mean ± standard error
+    assert "| algorithm=grpo rollout.temperature=1.0 | 2 |" in text  # two seeds, each setting's row
     assert "Paired differences against `algorithm=gspo rollout.temperature=1.0`" in text
     assert "failed (see failed.txt)" in text  # the failed jobs are named, not silently dropped
 
