@@ -43,7 +43,7 @@ SUMMARY_KEYS = {  # metric -> its summary.json key; other metrics are the mean o
 @dataclass
 class Run:
     path: Path
-    overrides: frozenset[str]  # the run's Hydra overrides without seed, experiment and hydra.*
+    overrides: frozenset[str]  # the run's Hydra overrides without seed, experiment, hparams_search and hydra.*
     seed: int | None
     summary: dict | None
     failed: bool
@@ -105,7 +105,7 @@ def load_run(path: Path) -> Run:
         key, _, value = item.partition("=")
         if key.lstrip("+~") == "seed":
             seed = int(value)
-        elif not key.startswith("hydra") and key != "experiment":
+        elif not key.startswith("hydra") and key not in ("experiment", "hparams_search"):
             kept.add(item)
     if seed is None:
         config = path / "config.yaml"
