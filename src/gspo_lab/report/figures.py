@@ -15,6 +15,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 
 from gspo_lab.report.run import series  # noqa: E402
 from gspo_lab.report.stats import band, performance_profile  # noqa: E402
+from gspo_lab.report.tables import scores  # noqa: E402
 
 if TYPE_CHECKING:
     from gspo_lab.report.study import Study
@@ -84,7 +85,7 @@ def profile(study: Study, out: Path, seed: int) -> bool:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     drawn = False
     for setting in study.settings():
-        finals = [v for v in (run.value("held-out accuracy") for run in study.of(setting)) if not np.isnan(v)]
+        finals = scores(study, setting, "held-out accuracy")
         if not finals:
             continue
         fractions, low, high = performance_profile(finals, thresholds, seed)

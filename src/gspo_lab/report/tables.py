@@ -23,10 +23,9 @@ PER_STEP = ("routing/changed_frac", "routing/changed_tokens_frac", "routing/over
 PAIRED = ("held-out accuracy", "final reward")
 
 
-def scores(study: Study, setting: str, metric: str) -> dict[int | None, float]:
-    """seed -> the metric's value of each run of `setting` that logged it."""
-    values = {run.seed: run.value(metric) for run in study.of(setting)}
-    return {seed: value for seed, value in values.items() if not math.isnan(value)}
+def scores(study: Study, setting: str, metric: str) -> list[float]:
+    """The metric's value in each run of `setting` that logged it (two runs on one seed count twice)."""
+    return [value for value in (run.value(metric) for run in study.of(setting)) if not math.isnan(value)]
 
 
 def _columns(prefix: str, interval: Interval) -> dict:
@@ -39,7 +38,7 @@ def statistics(study: Study, seed: int) -> pd.DataFrame:
     rows = []
     for metric in HEADLINE + PER_STEP:
         for setting in study.settings():
-            values = list(scores(study, setting, metric).values())
+            values = scores(study, setting, metric)
             if values:
                 rows.append({"metric": metric, "setting": setting, "seeds": len(values),
                              **_columns("mean", mean_interval(values, seed)),
