@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from pathlib import Path
 
 import pandas as pd
 
+CODE = re.compile(r"`([^`]*)`")
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px; color: #222; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 13px; }
@@ -17,6 +19,7 @@ th { background: #f0f0f0; }
 tr:nth-child(even) td { background: #fafafa; }
 img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
 p.note { color: #555; font-size: 13px; }
+figcaption { color: #555; font-size: 12px; }
 """
 
 
@@ -26,7 +29,8 @@ def table(frame: pd.DataFrame) -> str:
 
 def figure(path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<figure><img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}"></figure>'
+    name = html.escape(path.name)
+    return f'<figure><img alt="{name}" src="data:image/png;base64,{data}"><figcaption>{name}</figcaption></figure>'
 
 
 def page(title: str, blocks: list[tuple[str, str]]) -> str:
@@ -42,4 +46,6 @@ def page(title: str, blocks: list[tuple[str, str]]) -> str:
 
 
 def paragraphs(lines: list[str]) -> str:
-    return "".join(f'<p class="note">{html.escape(line)}</p>' for line in lines if line)
+    """report.md's lines of text as paragraphs, `code` spans as <code>."""
+    texts = (CODE.sub(r"<code>\1</code>", html.escape(line)) for line in lines if line)
+    return "".join(f'<p class="note">{text}</p>' for text in texts)
