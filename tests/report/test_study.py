@@ -78,7 +78,8 @@ def test_settings_rows_give_seeds_collapsed_runs_and_intervals(sweep, tmp_path):
 def test_a_run_that_ends_below_its_start_collapsed(tmp_path):
     write_run(tmp_path / "sweep" / "0", ["algorithm=gspo", "seed=0"], [0.30, 0.35, 0.29])
     write_run(tmp_path / "sweep" / "1", ["algorithm=gspo", "seed=1"], [0.30, 0.35, 0.30])  # back at its start: no
-    assert row(report([tmp_path / "sweep"], tmp_path / "out"), "all runs alike").startswith("| all runs alike | 2 | 1 |")
+    text = report([tmp_path / "sweep"], tmp_path / "out")
+    assert row(text, "all runs alike").startswith("| all runs alike | 2 | 1 |")
 
 
 def test_figures_mark_collapsed_runs_with_an_x(sweep, tmp_path, monkeypatch):
