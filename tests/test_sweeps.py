@@ -1,13 +1,20 @@
 """Every study in conf/experiment runs one tiny step per job through Hydra multirun, a failed job does not
-stop a sweep, and gspo-report turns a multirun dir into its table and figures."""
+stop a sweep, gspo-report turns a multirun dir into its tables and figures, and hparams_search=gspo_optuna
+runs a seeded Optuna search whose trials gspo-report reads."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -67,16 +74,21 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
 
 
 def test_a_sweep_of_two_jobs_runs_both_and_reports(tmp_path):
-    """The smoke test of multirun in `make test`: two parallel joblib jobs, then gspo-report on the sweep."""
+    """The smoke test of multirun in `make test`: two algorithms x two seeds in two parallel joblib jobs, then
+    gspo-report on the sweep: each setting's row has its two seeds and a bootstrap interval."""
     sweep = tmp_path / "sweep"
-    result = gspo_train(["-m", "algorithm=gspo,grpo", "sft.enabled=false", "hydra/launcher=joblib",
+    result = gspo_train(["-m", "algorithm=gspo,grpo", "seed=0,1", "sft.enabled=false", "hydra/launcher=joblib",
                          f"hydra.sweep.dir={sweep}", "model.config.num_hidden_layers=1", "train.eval_every=1", *TINY],
                         tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = finished_runs(sweep)
-    assert [run.name.split(",")[0] for run in runs] == ["0_algorithm=gspo", "1_algorithm=grpo"]
+    assert [run.name.split(",")[0] for run in runs] == ["0_algorithm=gspo", "1_algorithm=gspo", "2_algorithm=grpo",
+                                                        "3_algorithm=grpo"]
     report_main([str(sweep), "--baseline", "algorithm=gspo"])
-    assert "| algorithm=grpo | 1 |" in (sweep / "report.md").read_text()
+    text = (sweep / "report.md").read_text()
+    assert re.search(r"^\| algorithm=grpo \| 2 \| [012] \| \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \|", text, re.MULTILINE)
+    assert re.search(r"^\| algorithm=grpo \| 2 \| -?\d\.\d{3} \[", text.split("## Paired")[1], re.MULTILINE)
+    assert (sweep / "report.html").stat().st_size > 0 and (sweep / "statistics.csv").is_file()
 
 
 @pytest.mark.slow
@@ -95,7 +107,7 @@ def test_joblib_sweep_survives_a_failed_job_and_reports(tmp_path, cold_start_cac
     for name in ["report.md", *FIGURES]:
         assert (sweep / name).stat().st_size > 0, name
     text = (sweep / "report.md").read_text()
-    assert "| algorithm=grpo rollout.temperature=1.0 | 2 |" in text  # two seeds, mean ± standard error
+    assert "| algorithm=grpo rollout.temperature=1.0 | 2 |" in text  # two seeds, each setting's row
     assert "Paired differences against `algorithm=gspo rollout.temperature=1.0`" in text
     assert "failed (see failed.txt)" in text  # the failed jobs are named, not silently dropped
 
@@ -115,3 +127,39 @@ def test_bench_gpu_is_a_few_hundred_million_parameter_moe_in_bf16(compose):
     assert type(model).__name__ == "Qwen3MoeForCausalLM" and 300e6 < parameters < 400e6  # 334M
     assert next(model.parameters()).dtype == torch.bfloat16 and model.config.num_experts_per_tok == 4
     assert cfg.rollout.prompts_per_step * cfg.rollout.group_size == 256 and cfg.rollout.max_new_tokens == 128
+
+
+def test_the_search_config_is_a_seeded_maximising_optuna_sweep():
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="train", overrides=["hparams_search=gspo_optuna"], return_hydra_config=True)
+    sweeper = cfg.hydra.sweeper
+    assert sweeper._target_ == "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+    assert cfg.hydra.mode == RunMode.MULTIRUN  # `gspo-train hparams_search=gspo_optuna` needs no -m
+    assert sweeper.direction == "maximize" and sweeper.n_trials == 20
+    assert sweeper.sampler._target_ == "optuna.samplers.TPESampler" and sweeper.sampler.seed == 1234
+    assert dict(sweeper.params) == {"train.lr": "tag(log, interval(1e-5, 3e-4))",
+                                    "clip_scale": "tag(log, interval(0.25, 4.0))"}
+
+
+def test_a_three_trial_search_of_one_step_writes_its_results_and_reports(tmp_path):
+    sweep = tmp_path / "sweep"
+    # two random start-up trials, so the third is proposed by TPE's model (optuna 2.10 on numpy 2)
+    result = gspo_train(["hparams_search=gspo_optuna", "hydra.sweeper.n_trials=3",
+                         "hydra.sweeper.sampler.n_startup_trials=2", "sft.enabled=false",
+                         f"hydra.sweep.dir={sweep}", "model.config.num_hidden_layers=1", *TINY], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = finished_runs(sweep)
+    assert len(runs) == 3
+    trials = [yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) for run in runs]
+    learning_rates = [float(next(o for o in t if o.startswith("train.lr="))[9:]) for t in trials]
+    assert len(set(learning_rates)) == 3 and all(1e-5 <= lr <= 3e-4 for lr in learning_rates)
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert set(results["best_params"]) == {"train.lr", "clip_scale"}
+    accuracies = [json.loads((run / "summary.json").read_text())["eval/accuracy_after"] for run in runs]
+    assert results["best_value"] == max(accuracies)  # what main returned is what the sweeper maximised
+
+    report_main([str(sweep)])
+    text = (sweep / "report.md").read_text()
+    assert f"Optuna search in {sweep}: best trial `train.lr=" in text
+    settings = text.split("## Settings")[1].split("##")[0]
+    assert sum(line.startswith("| clip_scale=") and " | 1 | " in line for line in settings.splitlines()) == 3

@@ -1,52 +1,127 @@
-"""gspo-report's --baseline: the named setting is the one paired differences are taken against, no name means
-the first setting, and a name that matches no setting is refused with the valid ones listed."""
+"""gspo-report on run dirs written by hand: the baseline it compares against, the settings table's intervals
+and collapse counts, what it says instead of an interval for one seed or no shared seed, and a report.html
+that needs no other file."""
 
 import json
+import re
 
+import pandas as pd
 import pytest
 import yaml
+from matplotlib.axes import Axes
 
-from gspo_lab.report.study import discover, main, table
-
-SETTINGS = ["algorithm=grpo", "algorithm=gspo"]  # sorted: grpo is the first setting
+from gspo_lab.report.study import FIGURES, UnknownBaseline, main, report
 
 
-def write_run(run_dir, overrides: list[str], accuracy: float) -> None:
-    """A finished run as gspo-train leaves it: overrides, run_info.json, summary.json and two metrics rows."""
+def write_run(run_dir, overrides: list[str], accuracy: list[float]) -> None:
+    """A finished run as gspo-train leaves it: overrides, run_info.json, summary.json and metrics.csv, whose
+    held-out accuracy (and, for simplicity, sampled reward) follows `accuracy`, one evaluation per step."""
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     (run_dir / "run_info.json").write_text(json.dumps({"git_sha": "unknown"}))
-    summary = {"reward/mean_last": accuracy, "eval/accuracy_before": 0.0, "eval/accuracy_after": accuracy,
-               "clip/frac_mean": 0.01, "routing/changed_frac": 0.1}
+    summary = {"reward/mean_last": accuracy[-1], "eval/accuracy_before": accuracy[0],
+               "eval/accuracy_after": accuracy[-1], "clip/frac_mean": 0.01}
     (run_dir / "summary.json").write_text(json.dumps(summary))
-    (run_dir / "metrics.csv").write_text(f"step,reward/mean,eval/accuracy\n0,0.0,0.0\n1,{accuracy},{accuracy}\n")
+    rows = "".join(f"{step},{value},{value},0.01,0.002\n" for step, value in enumerate(accuracy))
+    (run_dir / "metrics.csv").write_text("step,reward/mean,eval/accuracy,clip/frac,routing/changed_frac\n" + rows)
 
 
 @pytest.fixture
 def sweep(tmp_path):
-    """Two settings x two seeds; gspo is 0.25 more accurate than grpo on each seed."""
-    for number, (setting, seed) in enumerate((s, seed) for s in SETTINGS for seed in (0, 1)):
-        accuracy = 0.5 + 0.25 * (setting == "algorithm=gspo") + 0.1 * seed
+    """grpo and gspo on seeds 0 and 1 (gspo 0.25 more accurate on each), grpo_rr on seed 5 only. grpo's seed-1
+    run peaks at 0.75 and ends at 0.6: more than 0.1 below its best, so it collapsed."""
+    runs = {("algorithm=grpo", 0): [0.0, 0.5], ("algorithm=grpo", 1): [0.0, 0.75, 0.6],
+            ("algorithm=gspo", 0): [0.0, 0.75], ("algorithm=gspo", 1): [0.0, 0.85],
+            ("algorithm=grpo_rr", 5): [0.0, 0.4]}
+    for number, ((setting, seed), accuracy) in enumerate(runs.items()):
         write_run(tmp_path / "sweep" / str(number), [setting, f"seed={seed}"], accuracy)
     return tmp_path / "sweep"
 
 
-def test_the_named_baseline_is_the_one_compared_against(sweep):
-    text = table(discover([sweep]), "algorithm=gspo")
+def row(text: str, setting: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(f"| {setting} |"))
+
+
+def test_the_named_baseline_is_the_one_compared_against(sweep, tmp_path):
+    text = report([sweep], tmp_path / "out", "algorithm=gspo")
     assert "Paired differences against `algorithm=gspo`" in text
-    assert "| algorithm=grpo | 2 | -0.250 ± 0.000 |" in text  # grpo minus gspo, on seeds 0 and 1
+    # grpo minus gspo is -0.25 on both seeds; grpo never beats gspo, so P(grpo > gspo) is 0 in every resample
+    paired = text.split("## Paired comparisons")[1]
+    assert row(paired, "algorithm=grpo") == ("| algorithm=grpo | 2 | -0.250 [-0.250, -0.250] | 0.000 [0.000, 0.000] "
+                                             "| -0.250 [-0.250, -0.250] |")
 
 
-def test_without_a_baseline_the_first_setting_is_compared_against(sweep):
-    text = table(discover([sweep]), None)
+def test_without_a_baseline_the_first_setting_is_compared_against(sweep, tmp_path):
+    text = report([sweep], tmp_path / "out")
     assert "Paired differences against `algorithm=grpo`" in text
-    assert "| algorithm=gspo | 2 | 0.250 ± 0.000 |" in text
+    assert row(text.split("## Paired comparisons")[1], "algorithm=gspo").startswith("| algorithm=gspo | 2 | 0.250 ")
 
 
-def test_a_baseline_that_matches_no_setting_is_refused_naming_the_settings(sweep):
-    with pytest.raises(ValueError, match=r"--baseline='algorithm=gsop' matches no setting; the settings are: "
-                                         r"'algorithm=grpo', 'algorithm=gspo'"):
-        table(discover([sweep]), "algorithm=gsop")
+def test_one_seed_and_no_shared_seed_say_n_a_with_the_reason(sweep, tmp_path):
+    text = report([sweep], tmp_path / "out", "algorithm=gspo")
+    settings, paired, statistics = (text.split(f"## {name}")[1] for name in ("Settings", "Paired", "Statistics"))
+    assert row(settings, "algorithm=grpo_rr").startswith("| algorithm=grpo_rr | 1 | 0 | 0.400 [n/a (1 seed)] |")
+    assert row(paired, "algorithm=grpo_rr") == ("| algorithm=grpo_rr | 0 | n/a (no shared seed) | "
+                                                "n/a (no shared seed) | n/a (no shared seed) |")
+    assert "| held-out accuracy | algorithm=grpo_rr | 1 | 0.400 | n/a (1 seed) | 0.400 | n/a (1 seed) |" in statistics
+
+
+def test_settings_rows_give_seeds_collapsed_runs_and_intervals(sweep, tmp_path):
+    text = report([sweep], tmp_path / "out")
+    # grpo: accuracies 0.5 and 0.6; two seeds resample to means 0.5, 0.55, 0.6, so the interval is [0.5, 0.6]
+    assert row(text, "algorithm=grpo").startswith("| algorithm=grpo | 2 | 1 | 0.550 [0.500, 0.600] |")
+    assert row(text, "algorithm=gspo").startswith("| algorithm=gspo | 2 | 0 | 0.800 [0.750, 0.850] |")
+    lenient = report([sweep], tmp_path / "lenient", collapse_drop=0.2)  # a 0.15 drop is no collapse at 0.2
+    assert row(lenient, "algorithm=grpo").startswith("| algorithm=grpo | 2 | 0 |")
+
+
+def test_a_run_that_ends_below_its_start_collapsed(tmp_path):
+    write_run(tmp_path / "sweep" / "0", ["algorithm=gspo", "seed=0"], [0.30, 0.35, 0.29])
+    write_run(tmp_path / "sweep" / "1", ["algorithm=gspo", "seed=1"], [0.30, 0.35, 0.30])  # back at its start: no
+    text = report([tmp_path / "sweep"], tmp_path / "out")
+    assert row(text, "all runs alike").startswith("| all runs alike | 2 | 1 |")
+
+
+def test_figures_mark_collapsed_runs_with_an_x(sweep, tmp_path, monkeypatch):
+    marks = []
+    plot = Axes.plot
+
+    def spy(self, *args, **kwargs):
+        if kwargs.get("marker") == "x" and args:
+            marks.append((self, args))
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", spy)
+    report([sweep], tmp_path / "out")
+    held_out = [point for axes, point in marks if axes.get_ylabel().startswith("held-out")]  # labelled last
+    assert held_out == [(2, 0.6)]  # grpo seed 1's last evaluation
+
+
+def test_report_html_is_one_self_contained_file(sweep, tmp_path):
+    out = tmp_path / "out"
+    report([sweep], out)
+    page = (out / "report.html").read_text()
+    drawn = [name for name in FIGURES if (out / name).is_file()]
+    assert len(drawn) == 5 and page.count('src="data:image/png;base64,') == len(drawn)
+    assert not re.search(r'(src|href)="(?!data:)', page)  # nothing fetched from elsewhere
+    assert page.count("<table") == 3 and "n/a (no shared seed)" in page
+
+
+def test_csv_tables_and_a_reproducible_report(sweep, tmp_path):
+    report([sweep], tmp_path / "a", bootstrap_seed=5)
+    report([sweep], tmp_path / "b", bootstrap_seed=5)
+    assert (tmp_path / "a" / "report.md").read_text() == (tmp_path / "b" / "report.md").read_text()
+    stats = pd.read_csv(tmp_path / "a" / "statistics.csv")
+    accuracy = stats[stats.metric == "held-out accuracy"].set_index("setting")
+    assert accuracy.loc["algorithm=gspo", "seeds"] == 2 and accuracy.loc["algorithm=gspo", "mean"] == pytest.approx(0.8)
+    assert set(stats.metric) == {"held-out accuracy", "accuracy gain", "final reward", "clip/frac",
+                                 "routing/changed_frac"}  # routing logged, mismatch not
+
+
+def test_a_baseline_that_matches_no_setting_is_refused_naming_the_settings(sweep, tmp_path):
+    with pytest.raises(UnknownBaseline, match=r"--baseline='algorithm=gsop' matches no setting; the settings are: "
+                                              r"'algorithm=grpo', 'algorithm=grpo_rr', 'algorithm=gspo'"):
+        report([sweep], tmp_path / "out", "algorithm=gsop")
 
 
 def test_cli_refuses_a_typo_baseline_in_one_line_and_writes_nothing(sweep, tmp_path, capsys):

@@ -1,12 +1,14 @@
 """gspo-report DIR [DIR ...]: compare the runs of a multirun (or any run dirs) across settings and seeds.
 
-A run is a folder holding run_info.json (written when a run starts) or failed.txt (a job that failed). Its setting is its Hydra overrides
-without `seed`; runs of one setting on different seeds are its replicates. Writes into the first DIR (or
---out): report.md (the table), reward_curves.png, eval_curves.png, clip_frac.png, routing_change.png, and
-prints the table. Mean ± standard error over seeds; paired differences use the seeds both settings share.
+A run is a folder holding run_info.json (written when a run starts) or failed.txt (a job that failed). Its
+setting is its Hydra overrides without `seed`; runs of one setting on different seeds are its replicates.
+For each setting and metric: mean, interquartile mean and 95% bootstrap intervals over seeds; the runs that
+collapsed; paired differences and the probability of improvement against a baseline on shared seeds
+(Agarwal et al. 2021, the statistics of rliable; report/stats.py). Writes into the first DIR (or --out):
+report.md, report.html (self-contained), statistics.csv, paired.csv and the figures; prints the tables.
 
     gspo-report multirun/2026-11-21/10-00-00
-    gspo-report outputs/run_a outputs/run_b --baseline algorithm=gspo
+    gspo-report outputs/run_a outputs/run_b --baseline algorithm=gspo --collapse-drop 0.05
 """
 
 from __future__ import annotations
@@ -15,52 +17,59 @@ import argparse
 import json
 import math
 import re
-import statistics
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+import yaml
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import yaml  # noqa: E402
+from gspo_lab.report import html
+from gspo_lab.report.figures import CURVES, PROFILE, curves, profile
+from gspo_lab.report.run import read_metrics, series
+from gspo_lab.report.stats import CONFIDENCE, RESAMPLES
+from gspo_lab.report.tables import markdown, paired, paired_text, settings_table, statistics, statistics_text
 
-from gspo_lab.report.run import read_metrics, series  # noqa: E402
-
-FIGURES = {  # file -> (metric, y label, log scale, smoothing window)
-    "reward_curves.png": ("reward/mean", "reward/mean (sampled)", False, 10),
-    "eval_curves.png": ("eval/accuracy", "held-out accuracy (greedy)", False, 1),
-    "clip_frac.png": ("clip/frac", "clip/frac (log)", True, 10),
-    "routing_change.png": ("routing/changed_frac", "routing/changed_frac (log)", True, 10),
-}
+FIGURES = [*CURVES, PROFILE]
 NUMBER = re.compile(r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)")
-COLUMNS = {  # table column -> summary.json key, or the metrics.csv column averaged over steps
-    "final reward": "reward/mean_last",
+SUMMARY_KEYS = {  # metric -> its summary.json key; other metrics are the mean over steps of metrics.csv's column
     "held-out accuracy": "eval/accuracy_after",
-    "accuracy gain": None,  # after - before
+    "final reward": "reward/mean_last",
     "clip/frac": "clip/frac_mean",
-    "routing change": "routing/changed_frac",  # mean over steps; n/a for dense models
 }
 
 
 @dataclass
 class Run:
     path: Path
-    overrides: frozenset[str]  # the run's Hydra overrides without seed, experiment and hydra.*
+    overrides: frozenset[str]  # the run's Hydra overrides without seed, experiment, hparams_search and hydra.*
     seed: int | None
     summary: dict | None
     failed: bool
     setting: str = ""  # the overrides in which runs differ, set by `discover`
 
-    def value(self, column: str) -> float:
-        if column == "accuracy gain":
+    @cached_property
+    def rows(self) -> list[dict[str, float]]:
+        return read_metrics(self.path)
+
+    def value(self, metric: str) -> float:
+        """The run's figure for `metric` (NaN where it was not logged); "accuracy gain" is after - before."""
+        if metric == "accuracy gain":
             return self.summary["eval/accuracy_after"] - self.summary["eval/accuracy_before"]
-        key = COLUMNS[column]
+        key = SUMMARY_KEYS.get(metric, metric)
         if key in self.summary:
             return self.summary[key]
-        _, values = series(read_metrics(self.path), key)
-        return statistics.fmean(values) if values else math.nan
+        _, values = series(self.rows, key)
+        return sum(values) / len(values) if values else math.nan
+
+    def collapsed(self, drop: float) -> bool | None:
+        """Held-out accuracy ended more than `drop` below the run's own best, or below its starting value;
+        None for a run never evaluated."""
+        _, accuracy = series(self.rows, "eval/accuracy")
+        if not accuracy:
+            return None
+        return max(accuracy) - accuracy[-1] > drop or accuracy[-1] < accuracy[0]
 
 
 @dataclass
@@ -96,7 +105,7 @@ def load_run(path: Path) -> Run:
         key, _, value = item.partition("=")
         if key.lstrip("+~") == "seed":
             seed = int(value)
-        elif not key.startswith("hydra") and key != "experiment":
+        elif not key.startswith("hydra") and key not in ("experiment", "hparams_search"):
             kept.add(item)
     if seed is None:
         config = path / "config.yaml"
@@ -124,21 +133,6 @@ def discover(dirs: list[Path]) -> Study:
     return Study(runs, sorted(shared))
 
 
-def mean_se(values: list[float]) -> tuple[float, float]:
-    if any(math.isnan(v) for v in values):
-        return math.nan, math.nan
-    mean = statistics.fmean(values)
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
-    return mean, se
-
-
-def fmt(mean: float, se: float) -> str:
-    if math.isnan(mean):
-        return "n/a"
-    digits = 3 if abs(mean) >= 0.01 or mean == 0 else 5  # routing change and GRPO's clip fraction are small
-    return f"{mean:.{digits}f}" if math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
-
-
 def choose_baseline(settings: list[str], baseline: str | None) -> str | None:
     """The setting paired differences are taken against: `baseline` if given (it must be one of `settings`,
     spelled as the table's first column), else the first setting."""
@@ -150,109 +144,112 @@ def choose_baseline(settings: list[str], baseline: str | None) -> str | None:
     return baseline
 
 
-def table(study: Study, baseline: str | None) -> str:
-    settings = study.settings()
-    baseline = choose_baseline(settings, baseline)
-    lines = ["| setting | seeds | " + " | ".join(COLUMNS) + " |", "|" + " --- |" * (len(COLUMNS) + 2)]
-    for setting in settings:
-        runs = study.of(setting)
-        cells = [fmt(*mean_se([r.value(c) for r in runs])) for c in COLUMNS]
-        lines.append(f"| {setting} | {len(runs)} | " + " | ".join(cells) + " |")
-    paired = paired_table(study, baseline)
-    return "\n".join(lines) + ("\n\n" + paired if paired else "")
+def search_results(dirs: list[Path]) -> list[str]:
+    """Lines on the Optuna search whose sweep dir is among `dirs` (its optimization_results.yaml), if any."""
+    lines = []
+    for directory in dirs:
+        results = directory / "optimization_results.yaml"
+        if results.is_file():
+            found = yaml.safe_load(results.read_text())
+            params = " ".join(f"{key}={value}" for key, value in (found.get("best_params") or {}).items())
+            lines.append(f"Optuna search in {directory}: best trial `{params}`, value {found.get('best_value')} "
+                         "(optimization_results.yaml; one seed per trial, so re-run the best settings over seeds "
+                         "before trusting the ranking).")
+    return lines
 
 
-def paired_table(study: Study, baseline: str | None) -> str:
-    """Held-out accuracy and final reward of each setting minus the baseline's, on the seeds both have."""
-    if baseline is None:
-        return ""
-    base = {r.seed: r for r in study.of(baseline)}
-    lines = [f"Paired differences against `{baseline}` (same seeds; mean ± standard error):", "",
-             "| setting | shared seeds | Δ held-out accuracy | Δ final reward |", "| --- | --- | --- | --- |"]
-    for setting in study.settings():
-        if setting == baseline:
-            continue
-        pairs = [(r, base[r.seed]) for r in study.of(setting) if r.seed in base]
-        if not pairs:
-            lines.append(f"| {setting} | 0 | no shared seed | |")
-            continue
-        acc = mean_se([a.value("held-out accuracy") - b.value("held-out accuracy") for a, b in pairs])
-        reward = mean_se([a.value("final reward") - b.value("final reward") for a, b in pairs])
-        lines.append(f"| {setting} | {len(pairs)} | {fmt(*acc)} | {fmt(*reward)} |")
-    return "\n".join(lines)
+@dataclass
+class Sections:
+    """The report's parts, each a heading, a few lines of explanation and a table; markdown and HTML both
+    render them."""
+
+    intro: list[str]
+    tables: list[tuple[str, list[str], pd.DataFrame]]
+
+    def to_markdown(self, title: str) -> str:
+        parts = [f"# {title}", "", *self.intro]
+        for heading, lines, frame in self.tables:
+            parts += ["", f"## {heading}", "", *lines, "", markdown(frame)]
+        return "\n".join(parts)
+
+    def to_html(self, title: str, figures: list[Path]) -> str:
+        blocks = [("", html.paragraphs(self.intro))]
+        blocks += [(heading, html.paragraphs(lines) + html.table(frame)) for heading, lines, frame in self.tables]
+        blocks.append(("Figures", "".join(html.figure(path) for path in figures)))
+        return html.page(title, blocks)
 
 
-def smooth(values: list[float], window: int) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+def sections(study: Study, dirs: list[Path], baseline: str | None, collapse_drop: float, seed: int,
+             notes: list[str]) -> tuple[Sections, dict[str, pd.DataFrame]]:
+    """The report's text and tables, and the numeric frames behind them (written as CSV)."""
+    stats = statistics(study, seed)
+    pairs = paired(study, baseline, seed) if baseline is not None else pd.DataFrame()
+    intro = [f"{len(study.complete)} finished runs in {len(study.settings())} settings. Intervals are "
+             f"{CONFIDENCE:.0%} percentile-bootstrap intervals over seeds (scipy.stats.bootstrap, {RESAMPLES} "
+             f"resamples, --bootstrap-seed {seed}); one seed gives none. A run collapsed when its held-out "
+             f"accuracy ended more than {collapse_drop} below its own best, or below its starting value."]
+    if study.shared:
+        intro += ["", f"Overrides shared by every run: `{' '.join(study.shared)}`"]
+    if notes:
+        intro += ["", f"Left out ({len(notes)}):", *notes]
+    intro += [line for found in search_results(dirs) for line in ("", found)]
+    tables = [("Settings", ["Mean over seeds [95% CI of the mean]; `collapsed` counts the setting's collapsed runs."],
+               settings_table(study, stats, collapse_drop))]
+    if len(pairs):
+        tables.append(("Paired comparisons", [
+            f"Paired differences against `{baseline}` (same seeds): the mean of setting minus baseline over the "
+            "shared seeds [95% CI]; P(improvement) is P(setting > baseline) in held-out accuracy over all pairs "
+            "of their runs on those seeds, ties counting 1/2 (rliable's definition) [95% CI]."], paired_text(pairs)))
+    tables.append(("Statistics over seeds", [
+        "Per metric and setting: mean and interquartile mean (IQM, the mean of the middle 50% of runs; equal to "
+        "the mean below 4 seeds), each with its 95% CI. Routing and mismatch metrics are each run's mean over "
+        "steps, shown where logged."], statistics_text(stats)))
+    return Sections(intro, tables), {"statistics": stats, "paired": pairs}
 
 
-def plot(study: Study, metric: str, ylabel: str, log_scale: bool, window: int, out: Path) -> bool:
-    """Mean over seeds with a ±1 standard-error band, one line per setting; False if no run logged it."""
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    drawn = False
-    for setting in study.settings():
-        curves = [series(read_metrics(r.path), metric) for r in study.of(setting)]
-        curves = [(steps, smooth(values, window)) for steps, values in curves if values]
-        if not curves:
-            continue
-        length = min(len(values) for _, values in curves)
-        steps = curves[0][0][:length]
-        stacked = [[values[i] for _, values in curves] for i in range(length)]
-        means = [statistics.fmean(v) for v in stacked]
-        errors = [statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else 0.0 for v in stacked]
-        line, = ax.plot(steps, means, label=f"{setting} (n={len(curves)})")
-        ax.fill_between(steps, [m - e for m, e in zip(means, errors)], [m + e for m, e in zip(means, errors)],
-                        color=line.get_color(), alpha=0.2)
-        drawn = True
-    if log_scale and drawn:
-        ax.set_yscale("log")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    if drawn:
-        ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return drawn
-
-
-def report(dirs: list[Path], out: Path, baseline: str | None = None) -> str:
+def report(dirs: list[Path], out: Path, baseline: str | None = None, collapse_drop: float = 0.1,
+           bootstrap_seed: int = 0) -> str:
+    """Writes report.md, report.html, statistics.csv, paired.csv and the figures into `out`; returns the text
+    it prints."""
     study = discover(dirs)
     if not study.runs:
         raise SystemExit(
             f"gspo-report: no runs under {', '.join(map(str, dirs))}: expected run dirs holding run_info.json "
             "(written by gspo-train when a run starts) or failed.txt"
         )
-    missing = [r for r in study.runs if r.summary is None]
     notes = [f"- {r.path}: {'failed (see failed.txt)' if r.failed else 'no summary.json (still running, or killed)'}"
-             for r in missing]
+             for r in study.runs if r.summary is None]
     if not study.complete:
         raise SystemExit("gspo-report: no finished run (none has summary.json):\n" + "\n".join(notes))
-    text = table(study, baseline)  # before anything is written: a bad --baseline leaves no files
+    baseline = choose_baseline(study.settings(), baseline)  # before anything is written: a bad one leaves no files
+    text, frames = sections(study, dirs, baseline, collapse_drop, bootstrap_seed, notes)
     out.mkdir(parents=True, exist_ok=True)
-    drawn = [name for name, spec in FIGURES.items() if plot(study, *spec, out / name)]
-    header = [f"# Report on {', '.join(map(str, dirs))}", "",
-              f"{len(study.complete)} finished runs in {len(study.settings())} settings.", ""]
-    if study.shared:
-        header += [f"Overrides shared by every run: `{' '.join(study.shared)}`", ""]
-    if notes:
-        header += [f"Left out ({len(missing)}):", *notes, ""]
+    collapsed = {run.path for run in study.complete if run.collapsed(collapse_drop)}
+    drawn = [name for name, spec in CURVES.items() if curves(study, *spec, out / name, bootstrap_seed, collapsed)]
+    drawn += [PROFILE] if profile(study, out / PROFILE, bootstrap_seed) else []
+    for name, frame in frames.items():
+        frame.to_csv(out / f"{name}.csv", index=False)
+    title = f"Report on {', '.join(map(str, dirs))}"
     figures = [f"![{name}]({name})" for name in drawn]
-    (out / "report.md").write_text("\n".join(header + [text, ""] + figures) + "\n")
-    return "\n".join(header + [text])
+    (out / "report.md").write_text(text.to_markdown(title) + "\n\n" + "\n".join(figures) + "\n")
+    (out / "report.html").write_text(text.to_html(title, [out / name for name in drawn]))
+    return text.to_markdown(title)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="gspo-report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", type=Path, help="a multirun dir, or run dirs")
-    parser.add_argument("--out", type=Path, help="where report.md and the figures go (default: the first DIR)")
-    parser.add_argument("--baseline", help="the setting paired differences are taken against, spelled as in the "
+    parser.add_argument("--out", type=Path, help="where the report and figures go (default: the first DIR)")
+    parser.add_argument("--baseline", help="the setting paired comparisons are taken against, spelled as in the "
                         "table's first column (default: the first setting)")
+    parser.add_argument("--collapse-drop", type=float, default=0.1, help="a run collapsed when its held-out "
+                        "accuracy ends more than this below its own best, or below its start (default: 0.1)")
+    parser.add_argument("--bootstrap-seed", type=int, default=0, help="seeds every bootstrap, so a report is "
+                        "reproducible (default: 0)")
     args = parser.parse_args(argv)
     try:
-        text = report(args.dirs, args.out or args.dirs[0], args.baseline)
+        text = report(args.dirs, args.out or args.dirs[0], args.baseline, args.collapse_drop, args.bootstrap_seed)
     except UnknownBaseline as error:
         parser.exit(2, f"gspo-report: {error}\n")
     print(text)

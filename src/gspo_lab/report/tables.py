@@ -1,0 +1,131 @@
+"""gspo-report's tables as pandas DataFrames: per setting and metric the mean, IQM and 95% bootstrap intervals
+over seeds; the collapsed runs; paired comparisons against a baseline. Numbers stay numbers in the frames
+(written as CSV); `formatted` turns a row's estimate and interval into the text report.md and report.html
+show."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from gspo_lab.report.stats import Interval, improvement_interval, iqm_interval, mean_interval
+
+if TYPE_CHECKING:
+    from gspo_lab.report.study import Study
+
+HEADLINE = ("held-out accuracy", "accuracy gain", "final reward", "clip/frac")  # the settings table's columns
+PER_STEP = ("routing/changed_frac", "routing/changed_tokens_frac", "routing/override_frac",
+            "routing/rollout_disagreement", "routing/rollout_disagreement_tokens", "mismatch/kl",
+            "mismatch/extreme_frac", "mismatch/seq_log_ratio_abs")  # run value: mean over steps, where logged
+PAIRED = ("held-out accuracy", "final reward")
+
+
+def scores(study: Study, setting: str, metric: str) -> list[float]:
+    """The metric's value in each run of `setting` that logged it (two runs on one seed count twice)."""
+    return [value for value in (run.value(metric) for run in study.of(setting)) if not math.isnan(value)]
+
+
+def _columns(prefix: str, interval: Interval) -> dict:
+    return {prefix: interval.value, f"{prefix} low": interval.low, f"{prefix} high": interval.high}
+
+
+def statistics(study: Study, seed: int) -> pd.DataFrame:
+    """One row per (metric, setting) that has a value: seeds, mean and IQM, each with its interval. The
+    routing and mismatch metrics appear where some run logged them."""
+    rows = []
+    for metric in HEADLINE + PER_STEP:
+        for setting in study.settings():
+            values = scores(study, setting, metric)
+            if values:
+                rows.append({"metric": metric, "setting": setting, "seeds": len(values),
+                             **_columns("mean", mean_interval(values, seed)),
+                             **_columns("IQM", iqm_interval(values, seed))})
+    return pd.DataFrame(rows)
+
+
+def settings_table(study: Study, stats: pd.DataFrame, collapse_drop: float) -> pd.DataFrame:
+    """One row per setting: seeds, collapsed runs, and the mean [95% CI] of each headline metric."""
+    rows = []
+    for setting in study.settings():
+        runs = study.of(setting)
+        row = {"setting": setting, "seeds": len(runs), "collapsed": sum(bool(r.collapsed(collapse_drop)) for r in runs)}
+        for metric in HEADLINE:
+            found = stats[(stats.metric == metric) & (stats.setting == setting)] if len(stats) else stats
+            row[metric] = formatted(found.iloc[0], "mean") if len(found) else "n/a (not logged)"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def paired(study: Study, baseline: str, seed: int) -> pd.DataFrame:
+    """Each other setting against `baseline` on the seeds both have: the mean paired difference of each PAIRED
+    metric and P(setting > baseline) of held-out accuracy, each with its 95% interval."""
+    base = {run.seed: run for run in study.of(baseline) if run.seed is not None}
+    rows = []
+    for setting in study.settings():
+        if setting == baseline:
+            continue
+        pairs = [(run, base[run.seed]) for run in study.of(setting) if run.seed in base]
+        row = {"setting": setting, "shared seeds": len(pairs), "reason": "no shared seed" if not pairs else ""}
+        for metric in PAIRED:
+            values = [(a.value(metric), b.value(metric)) for a, b in pairs]
+            x, y = np.array([v for v in values if not any(map(math.isnan, v))]).reshape(-1, 2).T
+            if len(x):
+                row.update(_columns(f"Δ {metric}", mean_interval(x - y, seed)))
+                if metric == "held-out accuracy":
+                    row.update(_columns("P(improvement)", improvement_interval(x, y, seed)))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def number(value: float) -> str:
+    """3 decimals; 3 significant digits below 0.01 (routing change, GRPO's clip fraction, mismatch/kl).
+
+    >>> number(0.4567), number(0.00807), number(7.2e-5), number(0.0)
+    ('0.457', '0.00807', '7.2e-05', '0.000')
+    """
+    return f"{value:.3f}" if abs(value) >= 0.01 or value == 0 else f"{value:.3g}"
+
+
+def interval_text(low: float | None, high: float | None, seeds: int) -> str:
+    if low is None or pd.isna(low):
+        return f"n/a ({seeds} seed)" if seeds == 1 else "n/a"
+    return f"[{number(low)}, {number(high)}]"
+
+
+def formatted(row: pd.Series, prefix: str, seeds_column: str = "seeds") -> str:
+    """'value [low, high]', or 'value [n/a (1 seed)]'."""
+    interval = interval_text(row[f"{prefix} low"], row[f"{prefix} high"], row[seeds_column])
+    return f"{number(row[prefix])} {interval if interval.startswith('[') else f'[{interval}]'}"
+
+
+def statistics_text(stats: pd.DataFrame) -> pd.DataFrame:
+    """The statistics frame as report.md shows it: estimates and intervals in separate columns."""
+    return pd.DataFrame({
+        "metric": stats.metric, "setting": stats.setting, "seeds": stats.seeds,
+        "mean": stats["mean"].map(number),
+        "95% CI (mean)": [interval_text(r["mean low"], r["mean high"], r.seeds) for _, r in stats.iterrows()],
+        "IQM": stats["IQM"].map(number),
+        "95% CI (IQM)": [interval_text(r["IQM low"], r["IQM high"], r.seeds) for _, r in stats.iterrows()],
+    })
+
+
+def paired_text(pairs: pd.DataFrame) -> pd.DataFrame:
+    """The paired frame as report.md shows it; a setting with no shared seed says so."""
+    rows = []
+    for _, row in pairs.iterrows():
+        text = {"setting": row["setting"], "shared seeds": row["shared seeds"]}
+        for prefix in (f"Δ {PAIRED[0]}", "P(improvement)", f"Δ {PAIRED[1]}"):
+            has = prefix in row and not pd.isna(row[prefix])
+            text[prefix] = formatted(row, prefix, "shared seeds") if has else f"n/a ({row['reason'] or 'not logged'})"
+        rows.append(text)
+    return pd.DataFrame(rows)
+
+
+def markdown(frame: pd.DataFrame) -> str:
+    """A pipe table, one row per line, cells as they are (no padding), so rows can be searched for."""
+    lines = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + " --- |" * len(frame.columns)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
