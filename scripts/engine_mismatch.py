@@ -1,7 +1,10 @@
 """Trainer-vs-engine mismatch under each rollout-engine dose: a few RL steps per setting from the same cold
 start, medians of mismatch/*, routing/rollout_disagreement* and (under r3) routing/override_frac.
 
-    python scripts/engine_mismatch.py model=small_moe                  # the README's figures
+    python scripts/engine_mismatch.py model=small_moe                  # the README's figures (3-digit addition)
+    python scripts/engine_mismatch.py model=small_moe task=rg_word_sorting model.tokenizer=task_bpe sft.steps=500 \
+        sft.eval_every=500 sft.eval_size=32 sft.batch_size=32 sft.max_new_tokens=80 sft.target_accuracy=1.0 \
+        rollout.max_new_tokens=80                                      # long answers
     python scripts/engine_mismatch.py --steps 3 sft.enabled=false      # a random-init tiny MoE, seconds
 """
 
@@ -24,7 +27,7 @@ DOSES = {
     "router_noise=0.05 + r3": ["rollout.engine.router_noise=0.05", "routing.replay=r3"],
 }
 KEYS = ("mismatch/kl", "mismatch/extreme_frac", "mismatch/seq_log_ratio_abs", "routing/rollout_disagreement",
-        "routing/rollout_disagreement_tokens", "routing/override_frac", "time/engine_sync_s")
+        "routing/rollout_disagreement_tokens", "routing/override_frac", "time/engine_sync_s", "completion/len_mean")
 
 
 def main() -> None:

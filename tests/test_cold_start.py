@@ -8,7 +8,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from gspo_lab.cold_start import INFO_FILE, cache_key, cold_start
+from gspo_lab.cold_start import INFO_FILE, cache_key, cold_start, policy_from_config
 from gspo_lab.sft import SFTConfig
 
 FAST_SFT = SFTConfig(steps=3, batch_size=8, eval_every=2, eval_size=8, max_new_tokens=4)
@@ -47,3 +47,18 @@ def test_cache_key_covers_model_task_sft_and_seed(base_cfg):
 def test_bad_sft_settings_name_key_value_and_rule(key, value):
     with pytest.raises(ValueError, match=rf"sft\.{key}={value}"):
         SFTConfig(**{key: value})
+
+
+def test_a_fixed_sft_seed_lets_runs_of_several_seeds_share_one_cold_start(tmp_path, compose, tiny):
+    def start(*overrides):
+        cfg = compose(tiny + [f"paths.cache_dir={tmp_path}", "sft.steps=2", "sft.eval_every=2", "sft.eval_size=4",
+                              "sft.batch_size=8", "sft.max_new_tokens=4", *overrides])
+        return policy_from_config(cfg, instantiate(cfg.task))
+
+    model0, _, info0 = start("seed=0")
+    assert not info0["cache_hit"] and info0["seed"] == 0
+    model1, _, info1 = start("seed=1", "sft.seed=0")  # RL seed 1 on seed 0's cold start
+    assert info1["cache_hit"] and info1["path"] == info0["path"]
+    assert all(torch.equal(a, b) for a, b in zip(model0.state_dict().values(), model1.state_dict().values()))
+    _, _, own = start("seed=1")  # by default each seed trains its own
+    assert not own["cache_hit"] and own["seed"] == 1 and own["path"] != info0["path"]

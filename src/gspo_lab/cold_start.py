@@ -119,9 +119,10 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
     def check(model, tokenizer) -> None:  # before the cold start trains, and again on a cache hit (cheap)
         check_context(model, tokenizer, task, budgets)
 
-    key = cache_key(*(OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task")), sft, cfg.seed)
+    seed = cfg.seed if sft.seed is None else sft.seed
+    key = cache_key(*(OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task")), sft, seed)
     accelerator = cfg.trainer.get("accelerator", "cpu") if "trainer" in cfg else "cpu"
-    model, tokenizer, info = cold_start(model_source, task, sft, cfg.seed, key, cfg.paths.cache_dir, accelerator, check)
+    model, tokenizer, info = cold_start(model_source, task, sft, seed, key, cfg.paths.cache_dir, accelerator, check)
     check(model, tokenizer)
     return model, tokenizer, {"enabled": True, **info}
 

@@ -34,6 +34,8 @@ class SFTConfig:
         eval_every: steps between held-out evaluations; eval_size: held-out prompts each time.
         target_accuracy: stop at the first evaluation at or above this.
         max_new_tokens: greedy completion budget of the evaluation.
+        seed: the cold start's seed (model initialisation and demonstrations); the config sets it to the run's
+            `seed`, and a fixed value lets RL runs of several seeds start from one cold start.
     """
 
     enabled: bool = True
@@ -46,6 +48,7 @@ class SFTConfig:
     eval_size: int = 200
     target_accuracy: float = 0.2
     max_new_tokens: int = 8
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "eval_every", "eval_size", "max_new_tokens"):

@@ -130,7 +130,7 @@ def test_the_cold_start_cache_key_covers_the_tokenizer_choice(compose):
     def key(*overrides):
         cfg = compose(["task=rg_word_sorting", *overrides])
         model, task = (OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task"))
-        return cache_key(model, task, SFTConfig(**OmegaConf.to_container(cfg.sft)), cfg.seed)
+        return cache_key(model, task, SFTConfig(**OmegaConf.to_container(cfg.sft, resolve=True)), cfg.seed)
 
     keys = {key(), key("model.tokenizer=task_bpe"), key("model.tokenizer=task_bpe", "model.tokenizer_vocab_size=256")}
     assert len(keys) == 3
