@@ -24,8 +24,8 @@ train: $(STAMP)
 # The quick suite for development: everything but the tests marked slow (multi-process and multi-job runs
 # beyond one smoke test of each).
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -m "not slow" $(ARGS)
+	$(PYTHON) -m pytest -q --durations=15 -m "not slow" $(ARGS)
 
 # The full suite, slow tests included: what CI runs (.ci/run).
 test-all: $(STAMP)
-	$(PYTHON) -m pytest -q $(ARGS)
+	$(PYTHON) -m pytest -q --durations=15 $(ARGS)
