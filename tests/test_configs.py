@@ -99,11 +99,14 @@ def test_callbacks(base_cfg, tmp_path, compose):
 @pytest.mark.parametrize(
     "name, cls, replay",
     [("gspo", GSPO, "off"), ("gspo_token", GSPOToken, "off"), ("grpo", GRPO, "off"), ("grpo_rr", GRPO, "r2"),
-     ("gspo_shuffled_rewards", GSPO, "off")],
+     ("gspo_shuffled_rewards", GSPO, "off"), ("grpo_r3", GRPO, "r3"), ("gspo_r3", GSPO, "r3"),
+     ("grpo_tis", GRPO, "off")],
 )
 def test_algorithms(name, cls, replay, compose):
     cfg = compose([f"algorithm={name}"])
-    assert type(instantiate(cfg.objective)) is cls
+    objective = instantiate(cfg.objective)
+    assert type(objective) is cls
+    assert objective.rollout_correction == ("tis_token" if name == "grpo_tis" else "none")
     assert instantiate(cfg.routing).replay == replay
     assert instantiate(cfg.train).shuffle_rewards == (name == "gspo_shuffled_rewards")
     # objective.* still overrides what the algorithm chose
@@ -111,4 +114,5 @@ def test_algorithms(name, cls, replay, compose):
 
 
 def test_algorithm_options_are_the_tested_ones():
-    assert options("algorithm") == ["grpo", "grpo_rr", "gspo", "gspo_shuffled_rewards", "gspo_token"]
+    assert options("algorithm") == ["grpo", "grpo_r3", "grpo_rr", "grpo_tis", "gspo", "gspo_r3", "gspo_shuffled_rewards",
+                                    "gspo_token"]

@@ -137,19 +137,21 @@ def build(cfg: DictConfig) -> tuple[Plan, RLModule, dict]:
     return run, module, cold_start
 
 
-def algorithm_label(objective: str, replay: str, shuffle_rewards: bool) -> str:
+def algorithm_label(objective: str, replay: str, shuffle_rewards: bool, correction: str = "none") -> str:
     """The algorithm a run really is, named from what runs (not from the `algorithm=` choice, which
     `objective=grpo` on its own leaves at its default): the objective, its routing replay mode (GRPO with r2
-    is the paper's `grpo_rr`) and the shuffled-reward control.
+    is the paper's `grpo_rr`), its rollout correction and the shuffled-reward control.
 
     >>> algorithm_label("grpo", "off", False), algorithm_label("grpo", "r2", False), algorithm_label("gspo", "r3", False)
     ('grpo', 'grpo_rr', 'gspo+r3')
-    >>> algorithm_label("gspo", "off", True)
-    'gspo_shuffled_rewards'
+    >>> algorithm_label("gspo", "off", True), algorithm_label("grpo", "off", False, "tis_token")
+    ('gspo_shuffled_rewards', 'grpo+tis_token')
     """
     label = objective
     if replay != "off":
         label = "grpo_rr" if (objective, replay) == ("grpo", "r2") else f"{objective}+{replay}"
+    if correction != "none":
+        label = f"{label}+{correction}"
     return f"{label}_shuffled_rewards" if shuffle_rewards else label
 
 
@@ -157,7 +159,8 @@ def train(cfg: DictConfig) -> dict:
     """Run one RL experiment; returns its summary (also written to summary.json in the run dir)."""
     run, module, cold_start = build(cfg)
     trainer, tokenizer = run.trainer, module.tokenizer
-    algorithm = algorithm_label(run.objective.name, run.routing.replay, run.train.shuffle_rewards)
+    algorithm = algorithm_label(run.objective.name, run.routing.replay, run.train.shuffle_rewards,
+                                run.objective.rollout_correction)
     if trainer.is_global_zero:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
