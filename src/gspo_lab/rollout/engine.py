@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from gspo_lab.config import PRECISIONS, EngineConfig
-from gspo_lab.objectives.base import k3
+from gspo_lab.objectives.base import k3, masked_mean
 from gspo_lab.routing.hooks import router_hooks
 
 
@@ -104,15 +104,12 @@ def mismatch_metrics(train_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> d
     (0.359141, 0.5, 0.5)
     """
     valid = mask.bool()
+    tokens = valid.double()  # [B, C]
     train, engine = (torch.where(valid, logp.double(), 0.0) for logp in (train_logp, engine_logp))  # padding: 0
     log_rho = train - engine  # [B, C] log ρ_t
-    per_token_k3 = k3(train, engine)  # [B, C] ρ - 1 - log ρ, ρ = π_train / π_engine
-    lengths = valid.sum(-1)  # [B]
-    tokens = lengths.sum().clamp(min=1)
-    rows = lengths > 0
-    seq_mean = log_rho.sum(-1) / lengths.clamp(min=1)  # [B] mean_t log ρ_t
+    seq_mean = masked_mean(log_rho, tokens, dim=-1)  # [B] mean_t log ρ_t
     return {
-        "mismatch/kl": (per_token_k3.sum() / tokens).item(),
-        "mismatch/extreme_frac": ((log_rho.abs() > math.log(2)) & valid).sum().item() / tokens.item(),
-        "mismatch/seq_log_ratio_abs": (seq_mean.abs()[rows].mean().item() if rows.any() else 0.0),
+        "mismatch/kl": masked_mean(k3(train, engine), tokens).item(),  # k3 = ρ - 1 - log ρ, ρ = π_train / π_engine
+        "mismatch/extreme_frac": masked_mean((log_rho.abs() > math.log(2)).double(), tokens).item(),
+        "mismatch/seq_log_ratio_abs": masked_mean(seq_mean.abs(), valid.any(-1).double()).item(),  # rows with tokens
     }
