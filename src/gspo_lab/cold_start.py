@@ -55,7 +55,7 @@ def cache_key(model_cfg: dict, task_cfg: dict, sft: SFTConfig, seed: int) -> str
 def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_dir: str | Path, accelerator="cpu",
                check: Callable[[Any, Any], None] | None = None):
     """The SFT'd model and tokenizer, trained now or loaded from the cache; plus the stage's info dict.
-    `check(model, tokenizer)` runs on the freshly built model before any training."""
+    `check(model, tokenizer)` runs once: on the freshly built model before any training, or on a cache hit."""
     entry = Path(cache_dir).expanduser() / key
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.parent / f"{key}.lock", "w") as lock:
@@ -64,13 +64,16 @@ def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_di
             info = json.loads((entry / INFO_FILE).read_text())
             log.info("cold start: cache hit %s (held-out accuracy %.3f)", entry, info["accuracy"])
             model, tokenizer = model_source.load_from(entry)
+            if check is not None:
+                check(model, tokenizer)
             return model, tokenizer, {**info, "cache_hit": True, "path": str(entry)}
         info = _train_and_save(model_source, task, sft, seed, entry, accelerator, check)
     model, tokenizer = model_source.load_from(entry)
     return model, tokenizer, {**info, "cache_hit": False, "path": str(entry)}
 
 
-def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, accelerator, check) -> dict[str, Any]:
+def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, accelerator,
+                    check) -> dict[str, Any]:
     L.seed_everything(seed, workers=True, verbose=False)
     model, tokenizer = model_source.load(task)
     if check is not None:
@@ -116,14 +119,13 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
         return model, tokenizer, {"enabled": False}
     budgets["sft.max_new_tokens"] = sft.max_new_tokens
 
-    def check(model, tokenizer) -> None:  # before the cold start trains, and again on a cache hit (cheap)
+    def check(model, tokenizer) -> None:  # before the cold start trains, or on a cache hit
         check_context(model, tokenizer, task, budgets)
 
     seed = cfg.seed if sft.seed is None else sft.seed
     key = cache_key(*(OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task")), sft, seed)
     accelerator = cfg.trainer.get("accelerator", "cpu") if "trainer" in cfg else "cpu"
     model, tokenizer, info = cold_start(model_source, task, sft, seed, key, cfg.paths.cache_dir, accelerator, check)
-    check(model, tokenizer)
     return model, tokenizer, {"enabled": True, **info}
 
 
