@@ -60,7 +60,7 @@ def test_without_a_baseline_the_first_setting_is_compared_against(sweep, tmp_pat
 def test_one_seed_and_no_shared_seed_say_n_a_with_the_reason(sweep, tmp_path):
     text = report([sweep], tmp_path / "out", "algorithm=gspo")
     settings, paired, statistics = (text.split(f"## {name}")[1] for name in ("Settings", "Paired", "Statistics"))
-    assert row(settings, "algorithm=grpo_rr").startswith("| algorithm=grpo_rr | 1 | 0 | 0.400 [n/a (1 seed)] |")
+    assert row(settings, "algorithm=grpo_rr").startswith("| algorithm=grpo_rr | 1 | 0 | 0 | 0.400 [n/a (1 seed)] |")
     assert row(paired, "algorithm=grpo_rr") == ("| algorithm=grpo_rr | 0 | n/a (no shared seed) | "
                                                 "n/a (no shared seed) | n/a (no shared seed) |")
     assert "| held-out accuracy | algorithm=grpo_rr | 1 | 0.400 | n/a (1 seed) | 0.400 | n/a (1 seed) |" in statistics
@@ -69,8 +69,8 @@ def test_one_seed_and_no_shared_seed_say_n_a_with_the_reason(sweep, tmp_path):
 def test_settings_rows_give_seeds_collapsed_runs_and_intervals(sweep, tmp_path):
     text = report([sweep], tmp_path / "out")
     # grpo: accuracies 0.5 and 0.6; two seeds resample to means 0.5, 0.55, 0.6, so the interval is [0.5, 0.6]
-    assert row(text, "algorithm=grpo").startswith("| algorithm=grpo | 2 | 1 | 0.550 [0.500, 0.600] |")
-    assert row(text, "algorithm=gspo").startswith("| algorithm=gspo | 2 | 0 | 0.800 [0.750, 0.850] |")
+    assert row(text, "algorithm=grpo").startswith("| algorithm=grpo | 2 | 1 | 0 | 0.550 [0.500, 0.600] |")
+    assert row(text, "algorithm=gspo").startswith("| algorithm=gspo | 2 | 0 | 0 | 0.800 [0.750, 0.850] |")
     lenient = report([sweep], tmp_path / "lenient", collapse_drop=0.2)  # a 0.15 drop is no collapse at 0.2
     assert row(lenient, "algorithm=grpo").startswith("| algorithm=grpo | 2 | 0 |")
 
@@ -80,6 +80,20 @@ def test_a_run_that_ends_below_its_start_collapsed(tmp_path):
     write_run(tmp_path / "sweep" / "1", ["algorithm=gspo", "seed=1"], [0.30, 0.35, 0.30])  # back at its start: no
     text = report([tmp_path / "sweep"], tmp_path / "out")
     assert row(text, "all runs alike").startswith("| all runs alike | 2 | 1 |")
+
+
+def test_reward_collapse_compares_the_last_and_first_ten_steps_mean_reward(tmp_path):
+    """25 steps: the first 10 at 1.0, five at 0.0, the last 10 at 0.45 (below half of 1.0: collapsed) or 0.5 (not
+    below: no). A 4-step run compares 2 with 2: 0.345 is below half of 0.7, 0.35 is not."""
+    for number, last in enumerate([0.45, 0.5]):
+        rewards = [1.0] * 10 + [0.0] * 5 + [last] * 10
+        write_run(tmp_path / "sweep" / str(number), ["algorithm=gspo", f"seed={number}"], rewards)
+    for number, end in enumerate([0.29, 0.3]):
+        write_run(tmp_path / "sweep" / str(number + 2), ["algorithm=grpo", f"seed={number}"], [0.8, 0.6, 0.4, end])
+    text = report([tmp_path / "sweep"], tmp_path / "out")
+    assert "first 10" in text
+    assert row(text, "algorithm=gspo").startswith("| algorithm=gspo | 2 | 2 | 1 |")  # both end below their start
+    assert row(text, "algorithm=grpo").startswith("| algorithm=grpo | 2 | 2 | 1 |")
 
 
 def test_figures_mark_collapsed_runs_with_an_x(sweep, tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ from gspo_lab.report.tables import markdown, paired, paired_text, settings_table
 
 FIGURES = [*CURVES, PROFILE]
 NUMBER = re.compile(r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)")
+REWARD_WINDOW, REWARD_FLOOR = 10, 0.5  # reward collapse: the last 10 steps' mean reward below half the first 10's
 SUMMARY_KEYS = {  # metric -> its summary.json key; other metrics are the mean over steps of metrics.csv's column
     "held-out accuracy": "eval/accuracy_after",
     "final reward": "reward/mean_last",
@@ -70,6 +71,15 @@ class Run:
         if not accuracy:
             return None
         return max(accuracy) - accuracy[-1] > drop or accuracy[-1] < accuracy[0]
+
+    def reward_collapsed(self) -> bool | None:
+        """The mean sampled reward of the last REWARD_WINDOW steps is below REWARD_FLOOR times that of the
+        first REWARD_WINDOW (each window at most half the run's steps); None for a run that logged no reward."""
+        _, reward = series(self.rows, "reward/mean")
+        window = min(REWARD_WINDOW, len(reward) // 2)
+        if window == 0:
+            return None
+        return sum(reward[-window:]) / window < REWARD_FLOOR * sum(reward[:window]) / window
 
 
 @dataclass
@@ -187,13 +197,16 @@ def sections(study: Study, dirs: list[Path], baseline: str | None, collapse_drop
     intro = [f"{len(study.complete)} finished runs in {len(study.settings())} settings. Intervals are "
              f"{CONFIDENCE:.0%} percentile-bootstrap intervals over seeds (scipy.stats.bootstrap, {RESAMPLES} "
              f"resamples, --bootstrap-seed {seed}); one seed gives none. A run collapsed when its held-out "
-             f"accuracy ended more than {collapse_drop} below its own best, or below its starting value."]
+             f"accuracy ended more than {collapse_drop} below its own best, or below its starting value; its reward "
+             f"collapsed when the mean sampled reward of its last {REWARD_WINDOW} steps fell below {REWARD_FLOOR} "
+             f"times that of its first {REWARD_WINDOW}."]
     if study.shared:
         intro += ["", f"Overrides shared by every run: `{' '.join(study.shared)}`"]
     if notes:
         intro += ["", f"Left out ({len(notes)}):", *notes]
     intro += [line for found in search_results(dirs) for line in ("", found)]
-    tables = [("Settings", ["Mean over seeds [95% CI of the mean]; `collapsed` counts the setting's collapsed runs."],
+    tables = [("Settings", ["Mean over seeds [95% CI of the mean]; `collapsed` counts the setting's collapsed runs, "
+                            "`reward collapsed` those whose sampled reward collapsed."],
                settings_table(study, stats, collapse_drop))]
     if len(pairs):
         tables.append(("Paired comparisons", [

@@ -51,7 +51,8 @@ def settings_table(study: Study, stats: pd.DataFrame, collapse_drop: float) -> p
     rows = []
     for setting in study.settings():
         runs = study.of(setting)
-        row = {"setting": setting, "seeds": len(runs), "collapsed": sum(bool(r.collapsed(collapse_drop)) for r in runs)}
+        row = {"setting": setting, "seeds": len(runs), "collapsed": sum(bool(r.collapsed(collapse_drop)) for r in runs),
+               "reward collapsed": sum(bool(r.reward_collapsed()) for r in runs)}
         for metric in HEADLINE:
             found = stats[(stats.metric == metric) & (stats.setting == setting)] if len(stats) else stats
             row[metric] = formatted(found.iloc[0], "mean") if len(found) else "n/a (not logged)"
