@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 HEADLINE = ("held-out accuracy", "accuracy gain", "final reward", "clip/frac")  # the settings table's columns
 PER_STEP = ("routing/changed_frac", "routing/changed_tokens_frac", "routing/override_frac",
             "routing/rollout_disagreement", "routing/rollout_disagreement_tokens", "mismatch/kl",
-            "mismatch/extreme_frac", "mismatch/seq_log_ratio_abs")  # run value: mean over steps, where logged
+            "mismatch/extreme_frac", "mismatch/seq_log_ratio_abs", "ratio spread", "grad_norm",
+            "entropy")  # run value: mean over steps, where logged
 PAIRED = ("held-out accuracy", "final reward")
 
 
