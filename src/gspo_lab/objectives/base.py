@@ -184,7 +184,8 @@ class Objective:
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"{self.label}: the loss is {loss.item()} (non-finite); "
-                "check the log-probs for NaN/inf or set objective.log_ratio_clamp"
+                "check the log-probs for NaN/inf or set objective.log_ratio_clamp (objective.ratio.log_ratio_clamp "
+                "in a composed objective)"
             )
         metrics.update(ratio.metrics)
         metrics.update(surrogate_metrics)
