@@ -101,6 +101,13 @@ def clip_fractions(low: Tensor, high: Tensor, batch: MaskedBatch) -> dict[str, T
     }
 
 
+def check_positive(where: str, **values: float) -> None:
+    """Each value > 0, else a ValueError naming `where`.key, the value and the rule."""
+    for key, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{where}.{key}={value!r} must be > 0")
+
+
 class Objective:
     """An importance-weighted policy-gradient objective: ratio × surrogate × aggregation, plus an optional k3
     KL penalty and an optional correction for the rollout engine's mismatch.

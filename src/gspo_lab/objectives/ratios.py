@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gspo_lab.objectives.base import MaskedBatch, Ratio, clip_fractions
+from gspo_lab.objectives.base import MaskedBatch, Ratio, check_positive, clip_fractions
 
 
 def check_log_ratio_clamp(where: str, log_ratio_clamp: float | None) -> None:
@@ -40,6 +40,16 @@ def sequence_log_ratio(batch: MaskedBatch, length_norm: bool) -> Tensor:
     if length_norm:
         return log_ratio_sum / batch.lengths.clamp(min=1)  # log s_i = (1/|y_i|) Σ_t log π_θ/π_old
     return log_ratio_sum  # log of the raw sequence likelihood ratio
+
+
+def check_one_advantage_per_sequence(batch: MaskedBatch) -> None:
+    valid, adv = batch.mask.bool(), batch.advantages
+    spread = torch.where(valid, adv, -torch.inf).amax(-1) - torch.where(valid, adv, torch.inf).amin(-1)
+    if (torch.where(batch.valid_rows, spread, 0.0) > 0).any():
+        raise ValueError(
+            "SequenceRatio (GSPO): advantages must be one value per sequence ([B], or [B, T] constant along each "
+            "row); use GSPOToken (algorithm=gspo_token, the sequence-token ratio) for per-token advantages"
+        )
 
 
 @dataclass(frozen=True)
@@ -135,9 +145,7 @@ class GeometricMeanRatio:
     clip_high: float = 0.4
 
     def __post_init__(self) -> None:
-        for key, value in (("clip_low", self.clip_low), ("clip_high", self.clip_high)):
-            if not value > 0:
-                raise ValueError(f"GeometricMeanRatio: objective.ratio.{key}={value!r} must be > 0 (a log-space bound)")
+        check_positive("GeometricMeanRatio: objective.ratio", clip_low=self.clip_low, clip_high=self.clip_high)
 
     def __call__(self, batch: MaskedBatch) -> Ratio:
         log_w, adv = batch.logp - batch.old_logp, batch.advantages  # [B, T]
@@ -152,12 +160,3 @@ class GeometricMeanRatio:
         fired = torch.zeros_like(r, dtype=torch.bool)
         return Ratio(r[:, None].expand_as(log_w), r.detach()[rows], fired[rows], metrics)
 
-
-def check_one_advantage_per_sequence(batch: MaskedBatch) -> None:
-    valid, adv = batch.mask.bool(), batch.advantages
-    spread = torch.where(valid, adv, -torch.inf).amax(-1) - torch.where(valid, adv, torch.inf).amin(-1)
-    if (torch.where(batch.valid_rows, spread, 0.0) > 0).any():
-        raise ValueError(
-            "SequenceRatio (GSPO): advantages must be one value per sequence ([B], or [B, T] constant along each "
-            "row); use GSPOToken (algorithm=gspo_token, the sequence-token ratio) for per-token advantages"
-        )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gspo_lab.objectives.base import MaskedBatch, clip_fractions, masked_mean
+from gspo_lab.objectives.base import MaskedBatch, check_positive, clip_fractions, masked_mean
 
 
 def check_clip_range(where: str, clip_low: float, clip_high: float) -> None:
@@ -29,12 +29,6 @@ def check_clip_range(where: str, clip_low: float, clip_high: float) -> None:
         raise ValueError(f"{where}.clip_low={clip_low!r} must satisfy 0 < clip_low < 1")
     if not clip_high > 0:
         raise ValueError(f"{where}.clip_high={clip_high!r} must be > 0")
-
-
-def check_positive(where: str, **values: float) -> None:
-    for key, value in values.items():
-        if not value > 0:
-            raise ValueError(f"{where}.{key}={value!r} must be > 0")
 
 
 @dataclass(frozen=True)
