@@ -8,8 +8,10 @@
 
 Each is a frozen dataclass called as `surrogate(ratio, batch) -> (per_token, metrics)`: the terms [B, T] and
 its own detached metrics. A surrogate with a clip reports clip/* (`base.clip_fractions`); one without reports
-its own analogue under its name (sapo/gate_mean, cispo/capped_frac, vespo/weight_mean). Settings are checked
-on construction, with the key under `objective.surrogate`.
+its own analogue under its name (sapo/gate_mean, cispo/capped_frac, vespo/weight_mean): a fraction it limits
+has `frac` in its name and is 0 on-policy, a mean weight ends in `_mean` and is 1 on-policy (what
+tests/objectives/test_every_objective.py checks for every YAML). Settings are checked on construction, with
+the key under `objective.surrogate`.
 """
 
 from __future__ import annotations
