@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
-from gspo_lab.objectives import GRPO, GSPO, GSPOToken
+from gspo_lab.objectives import GRPO, GSPO, GSPOToken, Objective
 from gspo_lab.sft import SFTConfig
 
 CONF = Path(CONFIG_DIR)
@@ -113,6 +113,20 @@ def test_algorithms(name, cls, replay, compose):
     assert instantiate(compose([f"algorithm={name}", "objective.clip_high=0.5"]).objective).clip_high == 0.5
 
 
+COMPOSED = ["cispo", "dapo", "dr_grpo", "gmpo", "luspo", "sapo", "vespo"]  # objectives composed from the axes in YAML
+
+
+@pytest.mark.parametrize("name", COMPOSED)
+def test_composed_algorithms(name, compose):
+    cfg = compose([f"algorithm={name}"])
+    objective = instantiate(cfg.objective)
+    assert type(objective) is Objective and objective.name == name and objective.rollout_correction == "none"
+    assert instantiate(cfg.routing).replay == "off"
+    assert instantiate(cfg.advantage).scale == ("none" if name == "dr_grpo" else "group")  # Dr. GRPO: no std
+    # objective.* still overrides what the algorithm chose
+    assert instantiate(compose([f"algorithm={name}", "objective.beta=0.5"]).objective).beta == 0.5
+
+
 def test_algorithm_options_are_the_tested_ones():
-    assert options("algorithm") == ["grpo", "grpo_r3", "grpo_rr", "grpo_tis", "gspo", "gspo_r3", "gspo_shuffled_rewards",
-                                    "gspo_token"]
+    assert options("algorithm") == sorted(["grpo", "grpo_r3", "grpo_rr", "grpo_tis", "gspo", "gspo_r3",
+                                           "gspo_shuffled_rewards", "gspo_token", *COMPOSED])

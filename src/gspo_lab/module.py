@@ -52,7 +52,7 @@ class RLModule(L.LightningModule):
     Args:
         model, tokenizer: the policy (a transformers causal LM) and its tokenizer.
         task: prompts and the reward function.
-        objective: GSPO, GSPOToken or GRPO (anything with the `Objective` call signature).
+        objective: an `Objective` (GSPO, GSPOToken, GRPO, or one composed in conf/objective/*.yaml).
         advantage: rewards [B] -> advantages [B], e.g. `GroupAdvantage`.
         optimizer: a partial taking the parameters, e.g. `functools.partial(torch.optim.AdamW, lr=3e-5)`.
         rollout, train, routing: validated settings (gspo_lab.config).

@@ -5,10 +5,10 @@ it changes how logp is computed (see gspo_lab.routing), so `algorithm=grpo_rr` u
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
-from gspo_lab.objectives.base import MaskedBatch, Objective, Ratio
+from gspo_lab.objectives.aggregations import ConstantNormaliser, SeqMeanTokenMean
+from gspo_lab.objectives.base import Objective
+from gspo_lab.objectives.ratios import TokenRatio, check_log_ratio_clamp
+from gspo_lab.objectives.surrogates import ClippedMin, check_clip_range
 
 
 class GRPO(Objective):
@@ -18,12 +18,13 @@ class GRPO(Objective):
     J = E_i[ (1/|y_i|) Σ_t min(w_i,t A_i,t, clip(w_i,t, 1 - clip_low, 1 + clip_high) A_i,t) ]
 
     Args:
+        clip_low, clip_high: the clip range [1 - clip_low, 1 + clip_high]; the paper's GRPO clip: 0.2 / 0.27.
         length_norm: True (the paper) averages over each sequence's tokens, then over sequences; False uses
             Dr. GRPO's constant normaliser: the sum of all token terms divided by B × max_len.
         max_len: the constant T of that normaliser, normally the generation budget; None uses the mask's
             width (then extra padded columns change the loss).
-        clip_low, clip_high, beta, log_ratio_clamp, rollout_correction(_cap): see `Objective`. The paper's GRPO
-            clip: 0.2 / 0.27.
+        log_ratio_clamp: clamp log w to [-c, c] before exp(); None (default) keeps it exact.
+        beta, rollout_correction(_cap): see `Objective`.
     """
 
     name = "grpo"
@@ -39,21 +40,12 @@ class GRPO(Objective):
         rollout_correction: str = "none",
         rollout_correction_cap: float = 2.0,
     ) -> None:
-        super().__init__(clip_low, clip_high, beta, log_ratio_clamp, rollout_correction, rollout_correction_cap)
+        check_clip_range("GRPO: objective", clip_low, clip_high)
+        check_log_ratio_clamp("GRPO: objective", log_ratio_clamp)
         if max_len is not None and not max_len >= 1:
             raise ValueError(f"GRPO: objective.max_len={max_len!r} must be >= 1 or null")
-        self.length_norm = bool(length_norm)
-        self.max_len = max_len
-
-    def token_ratio(self, batch: MaskedBatch) -> Ratio:
-        log_w, fired = self.clamp_log_ratio(batch.logp - batch.old_logp)  # log w_i,t  [B, T]
-        w = torch.exp(log_w)  # w_i,t = π_θ / π_old  [B, T]
-        valid = batch.mask.bool()
-        return Ratio(w, w.detach()[valid], fired[valid])
-
-    def aggregate(self, per_token: Tensor, batch: MaskedBatch) -> Tensor:
-        if self.length_norm:
-            return super().aggregate(per_token, batch)
-        width = self.max_len if self.max_len is not None else batch.mask.shape[-1]
-        rows = batch.valid_rows.sum().clamp(min=1)
-        return (per_token * batch.mask).sum() / (rows * width)  # Dr. GRPO: Σ_i,t terms / (B · T)
+        aggregation = SeqMeanTokenMean() if length_norm else ConstantNormaliser(max_len)
+        super().__init__(TokenRatio(log_ratio_clamp), ClippedMin(float(clip_low), float(clip_high)), aggregation,
+                         self.name, beta, rollout_correction, rollout_correction_cap)
+        self.clip_low, self.clip_high = float(clip_low), float(clip_high)
+        self.length_norm, self.max_len, self.log_ratio_clamp = bool(length_norm), max_len, log_ratio_clamp
