@@ -87,7 +87,7 @@ def test_a_sweep_of_two_jobs_runs_both_and_reports(tmp_path):
                                                         "3_algorithm=grpo"]
     report_main([str(sweep), "--baseline", "algorithm=gspo"])
     text = (sweep / "report.md").read_text()
-    assert re.search(r"^\| algorithm=grpo \| 2 \| [012] \| \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \|", text, re.MULTILINE)
+    assert re.search(r"^\| algorithm=grpo \| 2 \| [012] \| [012] \| \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \|", text, re.MULTILINE)
     assert re.search(r"^\| algorithm=grpo \| 2 \| -?\d\.\d{3} \[", text.split("## Paired")[1], re.MULTILINE)
     assert (sweep / "report.html").stat().st_size > 0 and (sweep / "statistics.csv").is_file()
 
