@@ -41,7 +41,7 @@ def finished_runs(sweep: Path) -> list[Path]:
 
 def test_every_experiment_is_tested():
     assert STUDIES == ["clip_range", "expert_volatility", "group_size", "length_norm", "length_norm_long",
-                       "objective_zoo", "off_policy", "paper_main", "precision", "routing_replay", "stability"]
+                       "objective_zoo", "objective_zoo_long", "off_policy", "paper_main", "precision", "routing_replay", "stability"]
     assert SINGLE_RUNS == ["bench_anchor", "bench_gpu", "bench_paper"]
 
 
@@ -68,7 +68,7 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     runs = finished_runs(tmp_path / "sweep")
     expected = {"paper_main": 5, "clip_range": 6, "group_size": 4, "length_norm": 2, "length_norm_long": 2, "objective_zoo": 10,
-                "routing_replay": 6,
+                "objective_zoo_long": 10,                 "routing_replay": 6,
                 "expert_volatility": 8, "off_policy": 4, "stability": 6, "precision": 4}[study]
     assert len(runs) == expected
     assert all((run / "metrics.csv").is_file() for run in runs)
