@@ -9,9 +9,14 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("steps", [1, pytest.param(3, marks=pytest.mark.slow)])
-def test_ddp_two_processes_shard_prompts_and_keep_parameters_identical(steps, rl_overrides, tmp_path):
-    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")]
+# dynamic sampling: each rank filters its own groups, and both sample every further round in lockstep
+DYNAMIC = ["rollout.filter_zero_std_groups=true", "rollout.group_size=2", "rollout.prompts_per_step=8"]
+
+
+@pytest.mark.parametrize("steps, sampling", [(1, []), pytest.param(3, [], marks=pytest.mark.slow),
+                                             pytest.param(2, DYNAMIC, marks=pytest.mark.slow)])
+def test_ddp_two_processes_shard_prompts_and_keep_parameters_identical(steps, sampling, rl_overrides, tmp_path):
+    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + sampling
     run_dir = tmp_path / "ddp"
     result = subprocess.run(
         [sys.executable, "-m", "gspo_lab.train", *overrides, "trainer=ddp", "trainer.devices=2", f"train.steps={steps}",
@@ -23,8 +28,11 @@ def test_ddp_two_processes_shard_prompts_and_keep_parameters_identical(steps, rl
     with open(run_dir / "metrics.csv", newline="") as file:
         rows = list(csv.DictReader(file))
     assert [r["step"] for r in rows] == [str(step) for step in range(steps + 1)]  # written once, by rank 0
-    # 4 prompts x 4 completions split over 2 ranks: whole groups, 8 completions each
+    # 4 prompts x 4 completions (or 8 x 2) split over 2 ranks: whole groups, 8 completions each
     assert all(float(r["rollout/completions"]) == 8 for r in rows[:steps])
     assert float(rows[0]["grad_norm"]) > 0  # updates happened...
     assert float(rows[-1]["params/rank_spread"]) == 0  # ...and all-reduced gradients kept the ranks identical
+    if sampling:  # some step needed a further round on some rank, and no batch kept a zero-std group
+        assert max(float(r["rollout/sampling_rounds"]) for r in rows[:steps]) > 1
+        assert all(float(r["reward/frac_zero_std"]) == 0 for r in rows[:steps])
     assert list(run_dir.glob("checkpoints/*.ckpt")) and (run_dir / "final" / "config.json").is_file()

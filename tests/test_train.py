@@ -87,8 +87,10 @@ def test_algorithms_share_prompts_and_first_rollout(compose, rl_overrides, tmp_p
     assert rows["gspo"]["clip/frac"] != rows["grpo"]["clip/frac"]  # ... but different objectives
 
 
-def test_resume_continues_to_exactly_the_uninterrupted_metrics(compose, rl_overrides, tmp_path):
-    full = rl_overrides + ["train.steps=4", "train.eval_every=2"]
+@pytest.mark.parametrize("sampling", [[], ["rollout.filter_zero_std_groups=true", "rollout.group_size=2",
+                                          "rollout.prompts_per_step=8"]], ids=["plain", "dynamic_sampling"])
+def test_resume_continues_to_exactly_the_uninterrupted_metrics(sampling, compose, rl_overrides, tmp_path):
+    full = rl_overrides + sampling + ["train.steps=4", "train.eval_every=2"]
     train(compose(full + [f"paths.output_dir={tmp_path / 'full'}"]))
     train(compose(full + ["train.steps=2", f"paths.output_dir={tmp_path / 'part'}"]))
     resumed = full + [f"paths.output_dir={tmp_path / 'resumed'}", f"ckpt_path={tmp_path / 'part/checkpoints/last.ckpt'}"]

@@ -71,6 +71,11 @@ class RolloutConfig:
         logprobs_from_generation: take old log-probs from generate's logits instead of a second forward
             (the default; r2 routing replay needs the forward).
         suppress_eos: never sample EOS, so every completion has exactly max_new_tokens (benchmarks).
+        filter_zero_std_groups: DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage)
+            are dropped and further rounds of prompts are sampled until the step has `prompts_per_step`
+            groups with differing rewards (gspo_lab.rollout.dynamic_sampling).
+        max_sampling_rounds: with filter_zero_std_groups, the most rounds of prompts_per_step prompts sampled
+            in one step; a step still short after them keeps zero-std groups (counted in rollout/unfilled_groups).
         engine: how the rollout engine differs from the trainer (`EngineConfig`; the default: not at all).
     """
 
@@ -82,12 +87,17 @@ class RolloutConfig:
     mask_truncated: bool = False
     logprobs_from_generation: bool = True
     suppress_eos: bool = False
+    filter_zero_std_groups: bool = False
+    max_sampling_rounds: int = 4
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         _positive_int("rollout.prompts_per_step", self.prompts_per_step)
         _positive_int("rollout.group_size", self.group_size, minimum=2)
         _positive_int("rollout.max_new_tokens", self.max_new_tokens)
+        _positive_int("rollout.max_sampling_rounds", self.max_sampling_rounds)
+        _require(isinstance(self.filter_zero_std_groups, bool), "rollout.filter_zero_std_groups",
+                 self.filter_zero_std_groups, "must be true or false")
         _require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0,
                  "rollout.temperature", self.temperature, "must be a finite number > 0")
         _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "rollout.top_p", self.top_p,

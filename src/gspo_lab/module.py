@@ -3,7 +3,8 @@
 One RL step is one `training_step`:
 1. this rank's share of the step's prompts, `group_size` completions each (transformers `generate`) from the
    rollout engine (the trainer's model itself by default; `rollout.engine.*` makes it differ);
-2. rewards from the task, group-relative advantages; the trainer's own log-probs and experts on the
+2. rewards from the task (with `rollout.filter_zero_std_groups`, further rounds of prompts replace groups whose
+   rewards are all equal: gspo_lab.rollout.dynamic_sampling), group-relative advantages; the trainer's own log-probs and experts on the
    diagnostic rows against the engine's (mismatch/*, routing/rollout_disagreement*);
 3. old-policy log-probs from the engine's own logits (default), or from a no-grad trainer forward; with
    `objective.beta > 0`, the frozen reference policy's log-probs from one more no-grad forward;
@@ -33,6 +34,7 @@ from gspo_lab.evaluation import accuracy
 from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective, frac_zero_std
 from gspo_lab.objectives.base import masked_mean
 from gspo_lab.rollout import Completions, PromptSchedule, RolloutBatch, StepTicks, generate, token_logprobs
+from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
 from gspo_lab.rollout.engine import RolloutEngine, mismatch_metrics
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
@@ -173,17 +175,14 @@ class RLModule(L.LightningModule):
     def collect_rollout(self, step: int, metrics: dict[str, float]) -> RolloutBatch:
         """This rank's rollout batch; adds the rollout's timings and the engine-trainer mismatch to `metrics`."""
         cfg = self.rollout_cfg
-        examples = self.prompts.for_step(step, self.global_rank, self.trainer.world_size)
-        grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
-        completions = self.sample([e.prompt for e in grouped], metrics)
-        rewards = torch.tensor([self.score(e, text) for e, text in zip(grouped, completions.texts)])
-        if self.train_cfg.shuffle_rewards:  # negative control: rewards no longer belong to their completions
-            rewards = rewards[torch.randperm(len(rewards))]
+        sampled = self.sample_round(step, 0, metrics)
+        if cfg.filter_zero_std_groups:
+            sampled = self.resample_zero_std_groups(step, sampled, metrics)
+        completions, rewards, rollout_trace = sampled.completions, sampled.rewards, sampled.rollout_trace
         loss_mask = completions.completion_mask
         if cfg.mask_truncated:
             loss_mask = loss_mask * (~completions.truncated)[:, None]
         input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)
-        rollout_trace = self.routing.generation_trace(completions.prompt_ids.shape[1], input_ids.shape[1])
         batch = RolloutBatch(
             input_ids=input_ids,
             attention_mask=torch.cat([completions.prompt_mask, completions.completion_mask], 1),
@@ -212,9 +211,40 @@ class RLModule(L.LightningModule):
             metrics["time/ref_logprobs_s"] = time.perf_counter() - started
         return batch
 
+    def sample_round(self, step: int, sampling_round: int, metrics: dict[str, float]) -> SampledRound:
+        """One round of this rank's share of the step's prompts, `group_size` completions each, scored."""
+        cfg = self.rollout_cfg
+        examples = self.prompts.for_step(step, self.global_rank, self.trainer.world_size, sampling_round)
+        grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
+        completions = self.sample([e.prompt for e in grouped], metrics)
+        rewards = torch.tensor([self.score(e, text) for e, text in zip(grouped, completions.texts)])
+        if self.train_cfg.shuffle_rewards:  # negative control: rewards no longer belong to their completions
+            rewards = rewards[torch.randperm(len(rewards))]
+        prompt_len = completions.prompt_ids.shape[1]
+        trace = self.routing.generation_trace(prompt_len, prompt_len + completions.completion_ids.shape[1])
+        return SampledRound(grouped, completions, rewards, trace)
+
+    def resample_zero_std_groups(self, step: int, first: SampledRound, metrics: dict[str, float]) -> SampledRound:
+        """DAPO's dynamic sampling (gspo_lab.rollout.dynamic_sampling): further rounds until the step has
+        prompts_per_step groups with differing rewards, or max_sampling_rounds were sampled."""
+        cfg = self.rollout_cfg
+        rounds, needed = [first], len(first.rewards) // cfg.group_size
+
+        def short() -> bool:
+            return informative_count(rounds, cfg.group_size) < needed and len(rounds) < cfg.max_sampling_rounds
+
+        while self.trainer.strategy.reduce_boolean_decision(short(), all=False):  # ranks sample in lockstep
+            rounds.append(self.sample_round(step, len(rounds), metrics))
+        merged, unfilled = merge_rounds(rounds, cfg.group_size, needed, self.tokenizer.pad_token_id)
+        sampled = torch.cat([r.rewards for r in rounds])
+        metrics["rollout/sampling_rounds"] = float(len(rounds))
+        metrics["rollout/unfilled_groups"] = float(unfilled)
+        metrics["rollout/frac_zero_std_sampled"] = frac_zero_std(sampled, cfg.group_size).item()
+        return merged
+
     def sample(self, prompts: list[str], metrics: dict[str, float]) -> Completions:
         """Completions from the rollout engine, its weights first refreshed from the trainer's current ones;
-        the engine's own log-probs of the sampled tokens are always kept."""
+        the engine's own log-probs of the sampled tokens are always kept. Timings add up over a step's rounds."""
         cfg = self.rollout_cfg
         started = time.perf_counter()
         self.engine.sync()
@@ -224,8 +254,8 @@ class RLModule(L.LightningModule):
                 self.engine.model, self.tokenizer, prompts, cfg.max_new_tokens, temperature=cfg.temperature,
                 top_p=cfg.top_p, suppress_eos=cfg.suppress_eos, return_logprobs=True,
             )
-        metrics["time/engine_sync_s"] = synced - started
-        metrics["time/generate_s"] = time.perf_counter() - synced
+        metrics["time/engine_sync_s"] = metrics.get("time/engine_sync_s", 0.0) + synced - started
+        metrics["time/generate_s"] = metrics.get("time/generate_s", 0.0) + time.perf_counter() - synced
         return completions
 
     def mismatch(self, batch: RolloutBatch) -> dict[str, float]:

@@ -33,6 +33,28 @@ class Completions:
         values = (getattr(self, f.name) for f in fields(self))
         return Completions(*(v.clone() if isinstance(v, Tensor) else v for v in values))
 
+    def rows(self, index: Tensor) -> Completions:
+        """The completions of rows `index`, in that order."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Completions(**{name: value[index] if isinstance(value, Tensor) else
+                              [value[i] for i in index.tolist()] if isinstance(value, list) else value
+                              for name, value in values.items()})
+
+    @staticmethod
+    def cat(parts: list[Completions]) -> Completions:
+        """Several batches of the same prompt and completion widths, as one (rows in order)."""
+        first = parts[0]
+        values = {}
+        for f in fields(first):
+            column = [getattr(part, f.name) for part in parts]
+            if isinstance(column[0], Tensor):
+                values[f.name] = torch.cat(column)
+            elif isinstance(column[0], list):
+                values[f.name] = [item for part in column for item in part]
+            else:  # logprobs absent from every part
+                values[f.name] = None
+        return Completions(**values)
+
 
 def position_ids(attention_mask: Tensor) -> Tensor:
     """Positions counted over real tokens only, as `generate` builds them for left-padded batches. [N, L]"""

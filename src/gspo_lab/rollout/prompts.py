@@ -2,7 +2,9 @@
 
 Every rank derives the step's `prompts_per_step` prompts from the same seed and keeps its own contiguous
 share, so each group stays on one rank and no prompt is seen twice in a step. The seed is the RL-prompt
-stream's own (`gspo_lab.seeding`), so RL does not replay the cold start's demonstrations.
+stream's own (`gspo_lab.seeding`), so RL does not replay the cold start's demonstrations. Dynamic sampling's
+further rounds of a step (`sampling_round` >= 1) draw from streams of their own, so round 0 is the same prompts
+with the option on or off.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ class PromptSchedule:
     def __init__(self, task: Task, prompts_per_step: int, seed: int) -> None:
         self.task, self.prompts_per_step, self.seed = task, prompts_per_step, seed
 
-    def for_step(self, step: int, rank: int = 0, world_size: int = 1) -> list[Example]:
-        examples = self.task.examples("train", self.prompts_per_step, seed=stream_seed(self.seed, RL_PROMPTS, step))
+    def for_step(self, step: int, rank: int = 0, world_size: int = 1, sampling_round: int = 0) -> list[Example]:
+        stream = RL_PROMPTS if sampling_round == 0 else f"{RL_PROMPTS}/round_{sampling_round}"
+        examples = self.task.examples("train", self.prompts_per_step, seed=stream_seed(self.seed, stream, step))
         share = self.prompts_per_step // world_size
         return examples[rank * share : (rank + 1) * share]
 

@@ -43,6 +43,25 @@ class RoutingTrace:
         recorded = torch.cat([self.recorded, self.recorded.new_zeros(rows, missing)], dim=1)
         return RoutingTrace(indices, recorded, self.prompt_len)
 
+    def realigned(self, prompt_len: int, length: int) -> RoutingTrace:
+        """The same trace re-padded for a wider batch: `prompt_len` prompt columns (left padding added) and
+        `length` columns in all (right padding added); the added columns are marked not recorded."""
+        missing = prompt_len - (self.prompt_len or 0)
+        if self.prompt_len is None or missing < 0:
+            raise ValueError(f"cannot realign a trace with prompt_len={self.prompt_len} to prompt_len={prompt_len}")
+        layers, rows, _, k = self.indices.shape
+        indices = torch.cat([self.indices.new_zeros(layers, rows, missing, k), self.indices], dim=2)
+        recorded = torch.cat([self.recorded.new_zeros(rows, missing), self.recorded], dim=1)
+        return RoutingTrace(indices, recorded, prompt_len).extend_to(length)
+
+    @staticmethod
+    def cat(traces: list[RoutingTrace]) -> RoutingTrace:
+        """The traces of several batches with the same columns, as one batch (rows in order)."""
+        if len({(t.indices.shape[2], t.prompt_len) for t in traces}) != 1:
+            raise ValueError("RoutingTrace.cat needs traces with the same columns and prompt_len; realign them first")
+        return RoutingTrace(torch.cat([t.indices for t in traces], 1), torch.cat([t.recorded for t in traces]),
+                            traces[0].prompt_len)
+
     def layer(self, i: int, rows: int, length: int) -> tuple[Tensor, Tensor]:
         """Layer i's choices for a [rows, length] forward, flattened as the router sees tokens: [N, k], [N]."""
         if self.indices.shape[1:3] != (rows, length):
