@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import PreTrainedModel
 
+from gspo_lab.decoder import decoder_of
+
 log = logging.getLogger(__name__)
 
 
@@ -45,7 +47,7 @@ def shard(model: PreTrainedModel, mesh: DeviceMesh) -> None:
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model.get_output_embeddings(), mesh=mesh)
-    fully_shard(getattr(model, model.base_model_prefix), mesh=mesh)
+    fully_shard(decoder_of(model), mesh=mesh)
     log.info("FSDP2: %d %s blocks, the LM head and the decoder sharded over mesh %s", len(blocks),
              type(blocks[0]).__name__.removeprefix("FSDP"), tuple(mesh.shape))
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed._composable import checkpoint
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -60,6 +61,8 @@ class TinyModel:
     tokenizer_vocab_size: int = 512
 
     def __post_init__(self) -> None:
+        if isinstance(self.config, DictConfig):  # nested values (rope_parameters) must reach transformers as dicts
+            self.config = OmegaConf.to_container(self.config, resolve=True)
         if self.arch not in CONFIG_MAPPING:
             raise ValueError(f"model.arch={self.arch!r} is not a transformers model_type (e.g. qwen3_moe, mixtral)")
         _dtype(self.dtype, "model.dtype")

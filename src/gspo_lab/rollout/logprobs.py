@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from gspo_lab.decoder import decoder_of
 from gspo_lab.rollout.generation import position_ids
 
 # model_type -> (config attribute, op): its ForCausalLM.forward returns logits = op(lm_head(h), config.<attribute>)
@@ -76,7 +77,7 @@ def token_logprobs(
     input_ids, attention_mask: [B, P + C]; returns two [B, C] tensors (log-probs carry the gradient when
     grad is enabled; entropy is detached).
     """
-    decoder = getattr(model, model.base_model_prefix)
+    decoder = decoder_of(model)
     head = model.get_output_embeddings()
     transform = head_transform(model)
     hidden = decoder(
@@ -120,7 +121,7 @@ def check_logprobs_match(model: PreTrainedModel) -> None:
     attention_mask[1, :3] = 0  # left padding
     C = 4
     decoder_outputs = []
-    hook = getattr(model, model.base_model_prefix).register_forward_hook(lambda *call: decoder_outputs.append(call[2]))
+    hook = decoder_of(model).register_forward_hook(lambda *call: decoder_outputs.append(call[2]))
     was_training = model.training
     model.eval()
     try:
@@ -129,7 +130,7 @@ def check_logprobs_match(model: PreTrainedModel) -> None:
                            position_ids=position_ids(attention_mask)).logits[:, -C - 1 : -1]  # [2, C, V]
             hidden = getattr(decoder_outputs[-1] if decoder_outputs else None, "last_hidden_state", None)
             if hidden is None:
-                raise ValueError(f"{name}: its forward does not return model.{model.base_model_prefix}'s "
+                raise ValueError(f"{name}: its forward does not return its decoder's "
                                  "last_hidden_state to the LM head, which the chunked log-prob path needs")
             logp, _ = _chunk_logprobs(hidden[:, -C - 1 : -1], input_ids[:, -C:], model.get_output_embeddings(),
                                       head_transform(model), 1.0)  # [2, C]

@@ -1,50 +1,118 @@
-"""One adapter per supported router class: how that router turns logits into its top-k gate weights.
+"""One adapter per supported router class: where its output keeps the logits and the chosen experts, and how
+the router turns its logits into the gate weights of chosen experts.
 
-Under replay the gate weights are recomputed from the live router logits at the replayed experts, the way
-the router itself would have computed them for those experts, so the router keeps its gradient:
-    p = softmax(logits) over all experts; w = p[replayed]; w /= Σ w where the router renormalises.
+Under replay the experts come from the trace and the gate weights are recomputed from the live router logits
+at those experts, the way that router computes them for its own choice, so the router keeps its gradient.
+A selection-only term never enters the weights: DeepSeek-V3's, GLM-4.5's and MiniMax-M2's
+`e_score_correction_bias` and ERNIE 4.5's `moe_statics` only pick experts; their weights come from the
+unbiased scores, as in the models themselves. The formulas, N tokens, E experts, k chosen:
+    softmax  p = softmax(logits) over E; w = p[chosen]; w /= Σ w where the router renormalises
+    top-k softmax (GPT-OSS)  w = softmax(logits[chosen]) over the k
+    sigmoid (DeepSeek-V3, GLM-4.5, MiniMax-M2)  s = σ(logits); w = s[chosen]; w /= Σ w (+1e-20 where the
+        model adds it) where it renormalises; w *= routed_scaling_factor where the model scales
+    ERNIE 4.5  p = softmax(logits); w = p[chosen] / max(Σ p[chosen], moe_norm_min)
+    Llama 4  scores [N, E] = σ(logits) at the chosen experts, 0 elsewhere (the router's own output layout)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+GateWeights = Callable[[torch.nn.Module, Tensor, Tensor, Tensor], Tensor]  # (router, logits, indices, hidden)
+
 
 @dataclass(frozen=True)
 class RouterAdapter:
-    """What replay needs to know about one router class.
+    """What replay needs to know about one router class whose forward returns (logits, weights, indices).
 
-    renormalises: whether the router divides its top-k probabilities by their sum (a function of the
-        module, since some routers read it from config).
-    keep_float: whether the router returns float32 weights instead of casting them back to the logits dtype.
+    gate_weights: (router, logits [N, E] with gradient, indices [N, k], router input) -> weights [N, k],
+        exactly as the router computes them for its own choice.
     """
 
-    renormalises: Callable[[torch.nn.Module], bool]
-    keep_float: bool = False
+    gate_weights: GateWeights
 
-    def gate_weights(self, router: torch.nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-        """logits [N, E] (live, with gradient), indices [N, k] -> gate weights [N, k]."""
-        probs = torch.softmax(logits.float(), dim=-1)  # softmax over the full logits
-        weights = probs.gather(-1, indices.long())  # ... gathered at the replayed experts
-        if self.renormalises(router):
+    def choice(self, router: torch.nn.Module, output: Any) -> tuple[Tensor, Tensor]:
+        """The router's logits [N, E] and chosen experts [N, k] from its forward output."""
+        logits, _, indices = output
+        return logits, indices
+
+    def replayed(self, router: torch.nn.Module, hidden: Tensor, output: Any, indices: Tensor) -> Any:
+        """The router's output had it chosen `indices`."""
+        logits = output[0]
+        return logits, self.gate_weights(router, logits, indices, hidden), indices
+
+
+class Llama4Adapter(RouterAdapter):
+    """Llama 4's router returns (scores [N, E], logits [N, E]): σ(logit) at its top-k experts, 0 elsewhere."""
+
+    def choice(self, router, output):
+        scores, logits = output  # the experts in use are those with a score: the router's own, or replayed ones
+        in_use = logits.masked_fill(scores == 0, float("-inf"))
+        return logits, torch.topk(in_use, router.top_k, dim=1).indices  # the router's own top-k call and order
+
+    def replayed(self, router, hidden, output, indices):
+        _, logits = output
+        weights = self.gate_weights(router, logits, indices, hidden)  # [N, k]
+        return torch.zeros_like(logits).scatter(1, indices.long(), weights), logits
+
+
+def llama4_gate(router, logits, indices, hidden):
+    return torch.sigmoid(logits.gather(1, indices.long()).float()).to(logits.dtype)
+
+
+def softmax_gate(renormalises: Callable[[torch.nn.Module], bool], keep_float: bool = False) -> GateWeights:
+    def gate(router, logits, indices, hidden):
+        weights = torch.softmax(logits.float(), dim=-1).gather(-1, indices.long())
+        if renormalises(router):
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights if self.keep_float else weights.to(logits.dtype)
+        return weights if keep_float else weights.to(logits.dtype)
+    return gate
+
+
+def top_k_softmax_gate(router, logits, indices, hidden):
+    return torch.softmax(logits.gather(-1, indices.long()), dim=1, dtype=logits.dtype)
+
+
+def sigmoid_gate(epsilon: float, scaled: bool, renormalises: Callable[[torch.nn.Module], bool]) -> GateWeights:
+    def gate(router, logits, indices, hidden):
+        weights = torch.sigmoid(logits.float()).gather(1, indices.long())
+        if renormalises(router):
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + epsilon)
+        return weights * router.routed_scaling_factor if scaled else weights
+    return gate
+
+
+def ernie_gate(router, logits, indices, hidden):
+    weights = torch.softmax(logits.float(), dim=1).gather(-1, indices.long())
+    return (weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=router.norm_min)).to(hidden.dtype)
 
 
 def _norm_topk_prob(router: torch.nn.Module) -> bool:
     return bool(router.norm_topk_prob)
 
 
+def _always(router: torch.nn.Module) -> bool:
+    return True
+
+
 # keyed by class name: the transformers classes are not imported until a model of that kind exists
 ADAPTERS: dict[str, RouterAdapter] = {
-    "Qwen3MoeTopKRouter": RouterAdapter(renormalises=_norm_topk_prob),
-    "Qwen2MoeTopKRouter": RouterAdapter(renormalises=_norm_topk_prob),
-    "OlmoeTopKRouter": RouterAdapter(renormalises=_norm_topk_prob),
-    "MixtralTopKRouter": RouterAdapter(renormalises=lambda router: True, keep_float=True),
+    "Qwen3MoeTopKRouter": RouterAdapter(softmax_gate(_norm_topk_prob)),
+    "Qwen2MoeTopKRouter": RouterAdapter(softmax_gate(_norm_topk_prob)),
+    "OlmoeTopKRouter": RouterAdapter(softmax_gate(_norm_topk_prob)),
+    "Qwen3NextTopKRouter": RouterAdapter(softmax_gate(_norm_topk_prob)),
+    "Qwen3_5MoeTopKRouter": RouterAdapter(softmax_gate(_always)),
+    "MixtralTopKRouter": RouterAdapter(softmax_gate(_always, keep_float=True)),
+    "GptOssTopKRouter": RouterAdapter(top_k_softmax_gate),
+    "DeepseekV3TopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
+    "Glm4MoeTopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
+    "MiniMaxM2TopKRouter": RouterAdapter(sigmoid_gate(0.0, scaled=False, renormalises=_always)),
+    "Ernie4_5_MoeTopKRouter": RouterAdapter(ernie_gate),
+    "Llama4Router": Llama4Adapter(llama4_gate),
 }
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 

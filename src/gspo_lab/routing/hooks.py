@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from gspo_lab.decoder import decoder_of
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.routing.trace import RoutingTrace, compact_dtype
 
@@ -31,16 +32,18 @@ def _batch_shape(args, kwargs) -> tuple[int, int]:
 
 @contextmanager
 def router_hooks(model: torch.nn.Module, router_hook, purpose: str) -> Iterator[list[tuple[int, int]]]:
-    """Registers `router_hook(layer, router, adapter, output, shape)` on every router; yields the list of
+    """Registers `router_hook(layer, router, adapter, hidden, output, shape)` on every router (`hidden`: the
+    router's input); yields the list of
     [B, S] shapes of the decoder calls made inside the context."""
     routers = find_routers(model, purpose)
-    decoder = getattr(model, model.base_model_prefix, model)
+    decoder = decoder_of(model)
     shapes: list[tuple[int, int]] = []
     handles = [decoder.register_forward_pre_hook(
         lambda module, args, kwargs: shapes.append(_batch_shape(args, kwargs)), with_kwargs=True)]
     for layer, (_, router, adapter) in enumerate(routers):
         handles.append(router.register_forward_hook(
-            lambda module, args, output, layer=layer, adapter=adapter: router_hook(layer, module, adapter, output, shapes[-1])
+            lambda module, args, output, layer=layer, adapter=adapter: router_hook(layer, module, adapter, args[0], output,
+                                                                                   shapes[-1])
         ))
     try:
         yield shapes
@@ -55,8 +58,8 @@ class _Recorder:
     def __init__(self, num_layers: int) -> None:
         self.calls: list[list[Tensor]] = [[] for _ in range(num_layers)]
 
-    def __call__(self, layer, router, adapter, output, shape) -> None:
-        _, _, indices = output
+    def __call__(self, layer, router, adapter, hidden, output, shape) -> None:
+        _, indices = adapter.choice(router, output)
         rows, length = shape
         self.calls[layer].append(indices.detach().to("cpu", compact_dtype(router.num_experts)).reshape(rows, length, -1))
 
@@ -100,8 +103,8 @@ def replay_routing(model: torch.nn.Module, trace: RoutingTrace, valid: Tensor | 
     stats = ReplayStats()
     valid_flat = valid.reshape(-1).cpu().bool() if valid is not None else None
 
-    def replay(layer, router, adapter, output, shape):
-        logits, _, natural = output
+    def replay(layer, router, adapter, hidden, output, shape):
+        _, natural = adapter.choice(router, output)
         recorded_idx, recorded = trace.layer(layer, *shape)  # [N, k], [N] on CPU
         recorded_idx = recorded_idx.to(natural.device, natural.dtype)
         use = recorded.to(natural.device)[:, None]
@@ -111,7 +114,7 @@ def replay_routing(model: torch.nn.Module, trace: RoutingTrace, valid: Tensor | 
             counted = differs if valid_flat is None else differs & valid_flat
             stats.overridden += int(counted.sum())
             stats.replayed += int((recorded if valid_flat is None else recorded & valid_flat).sum())
-        return logits, adapter.gate_weights(router, logits, indices), indices
+        return adapter.replayed(router, hidden, output, indices)
 
     with router_hooks(model, replay, "replay_routing"):
         yield stats

@@ -1,0 +1,20 @@
+"""The decoder stack of a transformers causal LM: the module whose forward takes input_ids and returns hidden
+states, which routing hooks, the log-prob check and FSDP sharding attach to.
+
+`base_model_prefix` names it for most families (`model.model`); a multimodal family's text-only class may keep
+the multimodal prefix while holding the decoder in `.model` (Llama 4's Llama4ForCausalLM: prefix
+"language_model", decoder `model`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    prefix = getattr(model, "base_model_prefix", "model")
+    found = getattr(model, prefix, None) or getattr(model, "model", None)
+    if found is None:
+        raise ValueError(f"{type(model).__name__} has neither .{prefix} (its base_model_prefix) nor .model: "
+                         "no decoder stack to hook")
+    return found
