@@ -1,8 +1,11 @@
 """Routing record/replay on every supported architecture: exact replay, replay after weight changes,
-router gradients, generate-vs-forward alignment, gradient checkpointing, left padding, and the errors."""
+router gradients, generate-vs-forward alignment, gradient checkpointing, left padding, and the errors; and
+traces from an external engine (vLLM/SGLang `routed_experts`): exact column placement, a round trip through
+the engine's layout that replays bit for bit on the completion tokens, errors that name the row and the rule."""
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -11,7 +14,7 @@ from omegaconf import OmegaConf
 from gspo_lab import CONFIG_DIR
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import generate, token_logprobs
-from gspo_lab.routing import RoutingReplay, changed_fraction, record_routing, replay_routing
+from gspo_lab.routing import RoutingReplay, changed_fraction, record_routing, replay_routing, trace_from_routed_experts
 from gspo_lab.routing.adapters import find_routers
 
 # every family with a routing adapter, each a tiny config of transformers' own classes (conf/model/tiny_*.yaml);
@@ -182,3 +185,61 @@ def test_errors_name_the_model_class():
         token_logprobs(model, ids[:2], mask[:2], C)
     with pytest.raises(ValueError, match="nothing was recorded"), record_routing(model):
         pass
+
+
+# ---- traces from an external inference engine -------------------------------------------------------------
+
+def test_each_token_lands_in_its_padded_column():
+    # row 0: 2 prompt tokens + 2 completion tokens -> 3 entries; row 1: 3 + 3 -> 5 entries. P = 3, L = 6.
+    # row 0's prompt sits in columns 1-2 (one column of left padding), its first completion token in column 3.
+    row0 = np.array([10, 11, 12], dtype=np.int32).reshape(3, 1, 1)  # [tokens, layers, k]
+    row1 = np.array([20, 21, 22, 23, 24], dtype=np.int32).reshape(5, 1, 1)
+    trace = trace_from_routed_experts([row0, row1], prompt_lens=[2, 3], prompt_len=3, length=6, num_experts=32)
+    assert trace.prompt_len == 3 and trace.indices.shape == (1, 2, 6, 1) and trace.indices.dtype == torch.uint8
+    assert trace.indices[0, :, :, 0].tolist() == [[0, 10, 11, 12, 0, 0], [20, 21, 22, 23, 24, 0]]
+    assert trace.recorded.tolist() == [[False, True, True, True, False, False], [True, True, True, True, True, False]]
+
+
+def engine_layout(trace, mask):
+    """What vLLM would return for each row: its real tokens but the last, as [tokens, layers, k] int32."""
+    rows = []
+    for i in range(mask.shape[0]):
+        columns = mask[i].nonzero().squeeze(-1)[:-1]
+        rows.append(trace.indices[:, i, columns].permute(1, 0, 2).numpy().astype(np.int32))
+    return rows
+
+
+def test_a_trace_in_the_engine_layout_replays_exactly_like_the_recorded_one():
+    model, tok = load("tiny_moe")
+    torch.manual_seed(1)
+    with record_routing(model) as recorded:
+        out = generate(model, tok, PROMPTS, 6)
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+    P, C = out.prompt_ids.shape[1], out.completion_ids.shape[1]
+    recorded = recorded.extend_to(ids.shape[1])
+    loaded = trace_from_routed_experts(engine_layout(recorded, mask), out.prompt_mask.sum(1).tolist(), P,
+                                       ids.shape[1], num_experts=model.config.num_experts)
+    both = loaded.recorded
+    assert torch.equal(loaded.indices[:, both], recorded.indices[:, both])
+    assert (both == (mask.bool() & recorded.recorded)).sum() > 0
+    perturb_routers(model)  # the live routers now disagree: only replay keeps the engine's experts
+    completion = out.completion_mask.bool()
+    with torch.no_grad(), replay_routing(model, recorded):
+        expected, _ = token_logprobs(model, ids, mask, C)
+    with torch.no_grad(), replay_routing(model, loaded) as stats:
+        actual, _ = token_logprobs(model, ids, mask, C)
+    assert torch.equal(actual[completion], expected[completion])
+    assert stats.override_frac > 0.1
+
+
+def test_bad_engine_traces_name_the_row_and_the_rule():
+    good = np.zeros((3, 2, 2), dtype=np.int32)
+    with pytest.raises(ValueError, match="2 rows but prompt_lens has 1"):
+        trace_from_routed_experts([good, good], [2], 3, 6, 8)
+    with pytest.raises(ValueError, match="same layers and top_k"):
+        trace_from_routed_experts([good, np.zeros((3, 1, 2), dtype=np.int32)], [2, 2], 3, 6, 8)
+    with pytest.raises(ValueError, match="row 0: 3 entries with prompt_lens\\[0\\]=4 mean a 4-token prompt"):
+        trace_from_routed_experts([good], [4], 3, 6, 8)
+    with pytest.raises(ValueError, match="row 0: expert ids must lie in \\[0, 8\\); got 0..9"):
+        trace_from_routed_experts([np.concatenate([good, np.full((1, 2, 2), 9, dtype=np.int32)])], [2], 3, 6, 8)
