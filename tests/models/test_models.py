@@ -32,14 +32,13 @@ EXPECTED_CLASS = {
     "tiny_ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
 }
 ROUTING_FAMILIES = set(list(EXPECTED_CLASS)[5:])
-SLOW = ROUTING_FAMILIES - {"tiny_deepseek_v3"}  # in the full suite only, as in tests/routing
 
 
 def test_every_tiny_config_is_tested():
     assert TINY_MODELS == sorted(EXPECTED_CLASS)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in TINY_MODELS])
+@pytest.mark.parametrize("name", TINY_MODELS)
 def test_tiny_model_forward_and_generate(name):
     torch.manual_seed(0)
     model, tokenizer = instantiate(OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml")).load()

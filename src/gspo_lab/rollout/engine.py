@@ -79,14 +79,16 @@ class RolloutEngine:
 
 @contextmanager
 def noisy_routers(model: torch.nn.Module, sigma: float) -> Iterator[None]:
-    """Every router's logits get ε ~ N(0, (σ · std(logits of that token))²); the top-k and the gate weights
-    are then taken from the noisy logits as the router computes them (RouterAdapter.gate_weights)."""
+    """Every router's logits get ε ~ N(0, (σ · std(logits of that token))²); the top-k is taken from the noisy
+    logits and the gate weights computed from them as that router computes them for its choice
+    (RouterAdapter.replayed). For sigmoid routers with a selection bias (DeepSeek-V3, GLM-4.5, MiniMax-M2) the
+    noisy choice is the top-k of the noisy logits without the bias or group limit: noise, not their rule."""
 
-    def perturb(layer, router, adapter, output, shape):
-        logits, _, indices = output
+    def perturb(layer, router, adapter, hidden, output, shape):
+        logits, indices = adapter.choice(router, output)
         noisy = logits + sigma * logits.std(dim=-1, keepdim=True) * torch.randn_like(logits)  # [N, E]
         chosen = noisy.topk(indices.shape[-1], dim=-1).indices.to(indices.dtype)  # [N, k]
-        return noisy, adapter.gate_weights(router, noisy, chosen), chosen
+        return adapter.replayed(router, hidden, adapter.with_logits(output, noisy), chosen)
 
     with router_hooks(model, perturb, "rollout.engine.router_noise"):
         yield

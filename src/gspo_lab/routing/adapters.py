@@ -40,6 +40,10 @@ class RouterAdapter:
         logits, _, indices = output
         return logits, indices
 
+    def with_logits(self, output: Any, logits: Tensor) -> Any:
+        """The router's output with other logits in their place (the rollout engine's router noise)."""
+        return (logits, *output[1:])
+
     def replayed(self, router: torch.nn.Module, hidden: Tensor, output: Any, indices: Tensor) -> Any:
         """The router's output had it chosen `indices`."""
         logits = output[0]
@@ -53,6 +57,9 @@ class Llama4Adapter(RouterAdapter):
         scores, logits = output  # the experts in use are those with a score: the router's own, or replayed ones
         in_use = logits.masked_fill(scores == 0, float("-inf"))
         return logits, torch.topk(in_use, router.top_k, dim=1).indices  # the router's own top-k call and order
+
+    def with_logits(self, output, logits):
+        return output[0], logits
 
     def replayed(self, router, hidden, output, indices):
         _, logits = output
