@@ -75,3 +75,26 @@ def test_tied_embeddings_are_refused_before_anything_is_sharded():
     with pytest.raises(ValueError, match="trainer=fsdp .* tie_word_embeddings=true"):
         shard(model, mesh=None)  # refused before the mesh is touched
     assert not is_sharded(model)
+
+
+REPLAY = {"r2": ["algorithm=grpo_rr"], "r3": ["algorithm=grpo", "routing.replay=r3", "rollout.logprobs_from_generation=true"]}
+STRATEGIES = {"ddp": ["trainer=ddp"], "fsdp": ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.precision=32-true"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(REPLAY))
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_routing_replay_under_two_processes_replays_each_ranks_own_rows(strategy, mode, rl_overrides, tmp_path):
+    """Each rank records the experts of its own rows (r2: its old-policy forward; r3: its generation) and replays
+    them in its update: with one on-policy update, no rank overrides a single expert choice and every GRPO token
+    ratio is 1 (the max and min over ranks are logged), and the routers still get gradients (grad_norm > 0)."""
+    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")]
+    run_dir = tmp_path / "run"
+    result = run_two_processes(overrides + REPLAY[mode] + ["train.minibatches=1", "train.steps=1", "train.eval_every=1"],
+                               STRATEGIES[strategy], run_dir)
+    assert "GLOBAL_RANK: 1" in result.stdout + result.stderr
+    first = rows(run_dir)[0]
+    assert float(first["rollout/completions"]) == 8  # each rank its own 2 groups of 4
+    assert float(first["routing/override_frac"]) == 0 and float(first["clip/frac"]) == 0
+    assert abs(float(first["ratio/max"]) - 1) < 1e-5 and abs(float(first["ratio/min"]) - 1) < 1e-5
+    assert float(first["grad_norm"]) > 0 and float(first["routing/changed_frac"]) > 0
