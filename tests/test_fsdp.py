@@ -98,3 +98,67 @@ def test_routing_replay_under_two_processes_replays_each_ranks_own_rows(strategy
     assert float(first["routing/override_frac"]) == 0 and float(first["clip/frac"]) == 0
     assert abs(float(first["ratio/max"]) - 1) < 1e-5 and abs(float(first["ratio/min"]) - 1) < 1e-5
     assert float(first["grad_norm"]) > 0 and float(first["routing/changed_frac"]) > 0
+
+
+REPLAY_ON_RANK = '''
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from gspo_lab.models import TinyModel
+from gspo_lab.routing import replay_routing
+from gspo_lab.rollout import token_logprobs
+from gspo_lab.sharding import is_sharded, shard
+payload = torch.load(sys.argv[1], weights_only=False)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+model, _ = TinyModel(**payload["model"]).load()
+model.load_state_dict(payload["state"])
+if sys.argv[2] == "fsdp":
+    shard(model, init_device_mesh("cpu", (world,)))
+model.eval()
+rows = torch.arange(rank * 2, rank * 2 + 2)  # this rank's rows of the batch
+with torch.no_grad(), replay_routing(model, payload["trace"].rows(rows)) as stats:
+    logp, _ = token_logprobs(model, payload["ids"][rows], payload["mask"][rows], payload["C"])
+torch.save({"logp": logp, "override_frac": stats.override_frac, "sharded": is_sharded(model)},
+           f"{sys.argv[3]}/rank{rank}.pt")
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_each_rank_replays_its_slice_of_a_trace_bit_for_bit_like_one_process(strategy, tmp_path):
+    """A trace recorded in one process over a 4-row batch, then the routers moved: two gloo ranks (the model
+    replicated, or FSDP2-sharded) each replay their 2-row slice of it, and their log-probs equal, bit for bit,
+    one process replaying the same slice on the unsharded model."""
+    from gspo_lab.rollout import generate, token_logprobs
+    from gspo_lab.routing import record_routing, replay_routing
+    spec = {"arch": "qwen3_moe", "config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                             "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64,
+                                             "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                             "tie_word_embeddings": False}}
+    torch.manual_seed(0)
+    model, tok = TinyModel(**spec).load()
+    out = generate(model, tok, ["123+456=", "1+2=", "77+8=", "500+500="], 6)
+    ids, mask = torch.cat([out.prompt_ids, out.completion_ids], 1), torch.cat([out.prompt_mask, out.completion_mask], 1)
+    C = out.completion_ids.shape[1]
+    with torch.no_grad(), record_routing(model) as trace:
+        token_logprobs(model, ids, mask, C)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "gate.weight" in name:
+                p.add_(torch.randn_like(p))  # the live routers now choose otherwise: replay must override
+    payload = tmp_path / "payload.pt"
+    torch.save({"model": spec, "state": model.state_dict(), "trace": trace, "ids": ids, "mask": mask, "C": C}, payload)
+    script = tmp_path / "replay_on_rank.py"
+    script.write_text(REPLAY_ON_RANK)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script),
+                             str(payload), strategy, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        rows = torch.arange(rank * 2, rank * 2 + 2)
+        with torch.no_grad(), replay_routing(model, trace.rows(rows)):
+            expected, _ = token_logprobs(model, ids[rows], mask[rows], C)
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(got["logp"], expected), (rank, (got["logp"] - expected).abs().max())
+        assert got["override_frac"] > 0.05 and got["sharded"] == (strategy == "fsdp")
