@@ -12,9 +12,10 @@ import torch
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
-    prefix = getattr(model, "base_model_prefix", "model")
-    found = getattr(model, prefix, None) or getattr(model, "model", None)
-    if found is None:
-        raise ValueError(f"{type(model).__name__} has neither .{prefix} (its base_model_prefix) nor .model: "
-                         "no decoder stack to hook")
-    return found
+    """model.<base_model_prefix>, else model.model, else the model itself (a bare decoder such as
+    Qwen3MoeModel is its own decoder stack)."""
+    for name in (getattr(model, "base_model_prefix", "model"), "model"):
+        found = getattr(model, name, None)
+        if isinstance(found, torch.nn.Module):
+            return found
+    return model

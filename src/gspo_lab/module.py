@@ -4,8 +4,8 @@ One RL step is one `training_step`:
 1. this rank's share of the step's prompts, `group_size` completions each (transformers `generate`) from the
    rollout engine (the trainer's model itself by default; `rollout.engine.*` makes it differ);
 2. rewards from the task (with `rollout.filter_zero_std_groups`, further rounds of prompts replace groups whose
-   rewards are all equal: gspo_lab.rollout.dynamic_sampling), group-relative advantages; the trainer's own log-probs and experts on the
-   diagnostic rows against the engine's (mismatch/*, routing/rollout_disagreement*);
+   rewards are all equal: gspo_lab.rollout.dynamic_sampling), group-relative advantages; the trainer's own
+   log-probs and experts on the diagnostic rows against the engine's (mismatch/*, routing/rollout_disagreement*);
 3. old-policy log-probs from the engine's own logits (default), or from a no-grad trainer forward; with
    `objective.beta > 0`, the frozen reference policy's log-probs from one more no-grad forward;
 4. `train.minibatches` shuffled mini-batches, one optimizer step each, with gradient clipping;

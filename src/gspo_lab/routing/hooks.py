@@ -33,8 +33,8 @@ def _batch_shape(args, kwargs) -> tuple[int, int]:
 @contextmanager
 def router_hooks(model: torch.nn.Module, router_hook, purpose: str) -> Iterator[list[tuple[int, int]]]:
     """Registers `router_hook(layer, router, adapter, hidden, output, shape)` on every router (`hidden`: the
-    router's input); yields the list of
-    [B, S] shapes of the decoder calls made inside the context."""
+    router's first positional input, as every supported family calls it); yields the list of [B, S] shapes of
+    the decoder calls made inside the context."""
     routers = find_routers(model, purpose)
     decoder = decoder_of(model)
     shapes: list[tuple[int, int]] = []
