@@ -30,6 +30,9 @@ EXPECTED_CLASS = {
     "tiny_llama4": "Llama4ForCausalLM",
     "tiny_minimax_m2": "MiniMaxM2ForCausalLM",
     "tiny_ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "tiny_dots1": "Dots1ForCausalLM",
+    "tiny_solar_open": "SolarOpenForCausalLM",
+    "tiny_exaone_moe": "ExaoneMoeForCausalLM",
 }
 ROUTING_FAMILIES = set(list(EXPECTED_CLASS)[5:])
 

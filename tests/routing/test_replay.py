@@ -21,7 +21,7 @@ from gspo_lab.routing.adapters import find_routers
 # every family with a routing adapter, each a tiny config of transformers' own classes (conf/model/tiny_*.yaml)
 MOE_MODELS = ["tiny_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe", "tiny_deepseek_v3", "tiny_gpt_oss",
               "tiny_glm4_moe", "tiny_qwen3_next", "tiny_qwen3_5_moe", "tiny_llama4", "tiny_minimax_m2",
-              "tiny_ernie4_5_moe"]
+              "tiny_ernie4_5_moe", "tiny_dots1", "tiny_solar_open", "tiny_exaone_moe"]
 PROMPTS = ["123+456=", "1+2=", "77+8=", "500+500="]  # different lengths: left padding
 
 

@@ -117,6 +117,10 @@ ADAPTERS: dict[str, RouterAdapter] = {
     "GptOssTopKRouter": RouterAdapter(top_k_softmax_gate),
     "DeepseekV3TopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
     "Glm4MoeTopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
+    # routers whose forward is DeepSeek-V3's / GLM-4.5's word for word (scripts/moe_families.py)
+    "Dots1TopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
+    "ExaoneMoeTopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
+    "SolarOpenTopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
     "MiniMaxM2TopKRouter": RouterAdapter(sigmoid_gate(0.0, scaled=False, renormalises=_always)),
     "Ernie4_5_MoeTopKRouter": RouterAdapter(ernie_gate),
     "Llama4Router": Llama4Adapter(llama4_gate),
