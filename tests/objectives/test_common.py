@@ -15,18 +15,8 @@ ALL = [GSPO(0.2, 0.25), GSPOToken(0.2, 0.25), GRPO(0.2, 0.27), GSPO(0.2, 0.25, l
 IDS = ["gspo", "gspo_token", "grpo", "gspo_raw", "dr_grpo"]
 
 
-def random_batch(B=5, T=7, seed=0, dtype=torch.float64, spread=0.3):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(B, T, generator=g, dtype=dtype) * 3
-    logp = old + spread * torch.randn(B, T, generator=g, dtype=dtype)
-    mask = (torch.rand(B, T, generator=g) > 0.3).long()
-    mask[:, 0] = 1
-    adv = torch.randn(B, generator=g, dtype=dtype)
-    return logp, old, adv, mask
-
-
 @pytest.mark.parametrize("obj", ALL, ids=IDS)
-def test_on_policy_ratio_is_one_and_nothing_clips(obj):
+def test_on_policy_ratio_is_one_and_nothing_clips(obj, random_batch):
     _, old, adv, mask = random_batch()
     out = obj(old, old, adv, mask)
     m = out.metrics
@@ -35,7 +25,7 @@ def test_on_policy_ratio_is_one_and_nothing_clips(obj):
 
 
 @pytest.mark.parametrize("obj", ALL, ids=IDS)
-def test_extra_padded_columns_change_nothing(obj):
+def test_extra_padded_columns_change_nothing(obj, random_batch):
     logp, old, adv, mask = random_batch()
     logp = logp.clone().requires_grad_(True)
     out = obj(logp, old, adv, mask)
@@ -52,7 +42,7 @@ def test_extra_padded_columns_change_nothing(obj):
 
 
 @pytest.mark.parametrize("obj", ALL, ids=IDS)
-def test_empty_rows_are_left_out_and_counted(obj):
+def test_empty_rows_are_left_out_and_counted(obj, random_batch):
     logp, old, adv, mask = random_batch()
     without = obj(logp[1:], old[1:], adv[1:], mask[1:])
     mask = mask.clone()
@@ -65,7 +55,7 @@ def test_empty_rows_are_left_out_and_counted(obj):
 
 
 @pytest.mark.parametrize("obj", ALL, ids=IDS)
-def test_low_precision_inputs_are_computed_in_float32(obj):
+def test_low_precision_inputs_are_computed_in_float32(obj, random_batch):
     logp, old, adv, mask = random_batch(dtype=torch.bfloat16)
     out = obj(logp, old, adv, mask)
     assert out.loss.dtype == torch.float32 and out.metrics["clip/frac"].dtype == torch.float32
@@ -73,7 +63,7 @@ def test_low_precision_inputs_are_computed_in_float32(obj):
 
 
 @pytest.mark.parametrize("obj", ALL, ids=IDS)
-def test_non_finite_loss_raises_naming_the_objective(obj):
+def test_non_finite_loss_raises_naming_the_objective(obj, random_batch):
     logp, old, adv, mask = random_batch()
     logp = logp.clone()
     logp[0, 0] = float("nan")  # a valid token
@@ -81,7 +71,7 @@ def test_non_finite_loss_raises_naming_the_objective(obj):
         obj(logp, old, adv, mask)
 
 
-def test_metrics_are_detached_and_loss_carries_gradient():
+def test_metrics_are_detached_and_loss_carries_gradient(random_batch):
     logp, old, adv, mask = random_batch()
     out = GSPO(0.2, 0.25)(logp.requires_grad_(True), old, adv, mask)
     assert out.loss.requires_grad
@@ -160,7 +150,7 @@ def reference_loss(kind, logp, old, adv, mask, clip_low, clip_high, length_norm)
     kind=st.sampled_from(["gspo", "gspo_token", "grpo"]),
     length_norm=st.booleans(),
 )
-def test_matches_paper_equations_on_random_float64(B, T, seed, spread, kind, length_norm):
+def test_matches_paper_equations_on_random_float64(B, T, seed, spread, kind, length_norm, random_batch):
     logp, old, adv, _ = random_batch(B, T, seed, spread=spread)
     mask = (torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 1)) > 0.4).long()
     clip_low, clip_high = (3e-4, 4e-4) if spread < 1e-3 else (0.2, 0.27)

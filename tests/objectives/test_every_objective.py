@@ -21,28 +21,18 @@ def objective(request, compose):
     return instantiate(compose([f"objective={request.param}"]).objective)
 
 
-def random_batch(B=5, T=7, seed=0, dtype=torch.float64, spread=0.3):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(B, T, generator=g, dtype=dtype) * 3
-    logp = old + spread * torch.randn(B, T, generator=g, dtype=dtype)
-    mask = (torch.rand(B, T, generator=g) > 0.3).long()
-    mask[:, 0] = 1
-    adv = torch.randn(B, generator=g, dtype=dtype)
-    return logp, old, adv, mask
-
-
 def test_the_list_is_the_folder():
     assert {"gspo", "gspo_token", "grpo", "dapo", "dr_grpo", "cispo", "sapo", "gmpo", "luspo", "vespo"} <= set(NAMES)
 
 
-def test_named_as_its_file_and_callable(objective, request):
+def test_named_as_its_file_and_callable(objective, request, random_batch):
     assert objective.name == request.node.callspec.params["objective"]
     out = objective(*random_batch())
     assert isinstance(out, ObjectiveOutput) and out.loss.dim() == 0
     assert all(not v.requires_grad and v.dim() == 0 for v in out.metrics.values())
 
 
-def test_on_policy_ratio_is_one_and_nothing_is_clipped_or_gated(objective):
+def test_on_policy_ratio_is_one_and_nothing_is_clipped_or_gated(objective, random_batch):
     _, old, adv, mask = random_batch()
     logp = old.clone().requires_grad_(True)
     out = objective(logp, old, adv, mask)
@@ -59,7 +49,7 @@ def test_on_policy_ratio_is_one_and_nothing_is_clipped_or_gated(objective):
     assert torch.isfinite(logp.grad).all() and logp.grad.abs().sum() > 0
 
 
-def test_off_policy_gradients_are_finite(objective):
+def test_off_policy_gradients_are_finite(objective, random_batch):
     logp, old, adv, mask = random_batch(spread=0.5)
     logp = logp.requires_grad_(True)
     out = objective(logp, old, adv, mask)
@@ -75,7 +65,7 @@ def test_shape_error_names_the_objective(objective):
         objective(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3))
 
 
-def test_non_finite_loss_names_the_objective(objective):
+def test_non_finite_loss_names_the_objective(objective, random_batch):
     logp, old, adv, mask = random_batch()
     logp = logp.clone()
     logp[0, 0] = float("nan")  # a valid token
@@ -83,7 +73,7 @@ def test_non_finite_loss_names_the_objective(objective):
         objective(logp, old, adv, mask)
 
 
-def test_padding_is_masked(objective):
+def test_padding_is_masked(objective, random_batch):
     """Extra padded columns holding NaN change no loss, gradient or metric, and get no gradient."""
     logp, old, adv, mask = random_batch()
     logp = logp.clone().requires_grad_(True)
@@ -100,7 +90,7 @@ def test_padding_is_masked(objective):
         assert wide.metrics[key].item() == pytest.approx(value.item(), abs=1e-12), key
 
 
-def test_empty_rows_are_left_out_and_counted(objective):
+def test_empty_rows_are_left_out_and_counted(objective, random_batch):
     logp, old, adv, mask = random_batch()
     without = objective(logp[1:], old[1:], adv[1:], mask[1:])
     mask = mask.clone()
@@ -111,6 +101,6 @@ def test_empty_rows_are_left_out_and_counted(objective):
     assert objective(logp, old, adv, torch.zeros_like(mask)).loss.item() == 0
 
 
-def test_low_precision_inputs_are_computed_in_float32(objective):
+def test_low_precision_inputs_are_computed_in_float32(objective, random_batch):
     out = objective(*random_batch(dtype=torch.bfloat16))
     assert out.loss.dtype == torch.float32 and out.metrics["ratio/mean"].dtype == torch.float32
