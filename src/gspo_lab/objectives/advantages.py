@@ -47,14 +47,23 @@ class GroupAdvantage:
         return centred.reshape(rewards.shape)
 
 
+def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """[N / group_size] bool: the groups whose rewards are all equal (their advantages are all zero).
+
+    >>> zero_std_groups(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.5]), group_size=2)
+    tensor([False,  True,  True])
+    """
+    groups = _as_groups(rewards, group_size)
+    return groups.amax(-1) == groups.amin(-1)
+
+
 def frac_zero_std(rewards: Tensor, group_size: int) -> Tensor:
     """Fraction of groups whose rewards are all equal (their advantages are all zero).
 
     >>> frac_zero_std(torch.tensor([1.0, 0.0, 1.0, 1.0]), group_size=2)
     tensor(0.5000)
     """
-    groups = _as_groups(rewards, group_size)
-    return (groups.amax(-1) == groups.amin(-1)).float().mean()
+    return zero_std_groups(rewards, group_size).float().mean()
 
 
 def _as_groups(rewards: Tensor, group_size: int) -> Tensor:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gspo_lab.objectives.advantages import zero_std_groups
 from gspo_lab.rollout.generation import Completions
 from gspo_lab.routing.trace import RoutingTrace
 from gspo_lab.tasks.base import Example
@@ -36,8 +37,7 @@ def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
     >>> informative_groups(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.5]), group_size=2)
     tensor([ True, False, False])
     """
-    groups = rewards.view(-1, group_size)
-    return groups.amax(-1) != groups.amin(-1)
+    return ~zero_std_groups(rewards, group_size)
 
 
 def informative_count(rounds: list[SampledRound], group_size: int) -> int:

@@ -106,21 +106,24 @@ def _always(router: torch.nn.Module) -> bool:
     return True
 
 
+SOFTMAX_TOP_K = RouterAdapter(softmax_gate(_norm_topk_prob))  # softmax, renormalised where norm_topk_prob
+DEEPSEEK_V3 = RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob))
+
 # keyed by class name: the transformers classes are not imported until a model of that kind exists
 ADAPTERS: dict[str, RouterAdapter] = {
-    "Qwen3MoeTopKRouter": RouterAdapter(softmax_gate(_norm_topk_prob)),
-    "Qwen2MoeTopKRouter": RouterAdapter(softmax_gate(_norm_topk_prob)),
-    "OlmoeTopKRouter": RouterAdapter(softmax_gate(_norm_topk_prob)),
-    "Qwen3NextTopKRouter": RouterAdapter(softmax_gate(_norm_topk_prob)),
+    "Qwen3MoeTopKRouter": SOFTMAX_TOP_K,
+    "Qwen2MoeTopKRouter": SOFTMAX_TOP_K,
+    "OlmoeTopKRouter": SOFTMAX_TOP_K,
+    "Qwen3NextTopKRouter": SOFTMAX_TOP_K,
     "Qwen3_5MoeTopKRouter": RouterAdapter(softmax_gate(_always)),
     "MixtralTopKRouter": RouterAdapter(softmax_gate(_always, keep_float=True)),
     "GptOssTopKRouter": RouterAdapter(top_k_softmax_gate),
-    "DeepseekV3TopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
-    "Glm4MoeTopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
-    # routers whose forward is DeepSeek-V3's / GLM-4.5's word for word (scripts/moe_families.py)
-    "Dots1TopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
-    "ExaoneMoeTopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
-    "SolarOpenTopkRouter": RouterAdapter(sigmoid_gate(1e-20, scaled=True, renormalises=_norm_topk_prob)),
+    "DeepseekV3TopkRouter": DEEPSEEK_V3,
+    "Glm4MoeTopkRouter": DEEPSEEK_V3,
+    # routers whose forward is DeepSeek-V3's word for word (scripts/moe_families.py)
+    "Dots1TopkRouter": DEEPSEEK_V3,
+    "ExaoneMoeTopkRouter": DEEPSEEK_V3,
+    "SolarOpenTopkRouter": DEEPSEEK_V3,
     "MiniMaxM2TopKRouter": RouterAdapter(sigmoid_gate(0.0, scaled=False, renormalises=_always)),
     "Ernie4_5_MoeTopKRouter": RouterAdapter(ernie_gate),
     "Llama4Router": Llama4Adapter(llama4_gate),
