@@ -88,7 +88,9 @@ def test_algorithms_share_prompts_and_first_rollout(compose, rl_overrides, tmp_p
 
 
 @pytest.mark.parametrize("sampling", [[], ["rollout.filter_zero_std_groups=true", "rollout.group_size=2",
-                                          "rollout.prompts_per_step=8"]], ids=["plain", "dynamic_sampling"])
+                                          "rollout.prompts_per_step=8"],
+                                      ["model.lora.enabled=true", "model.lora.rank=4", "objective.beta=0.04"]],
+                         ids=["plain", "dynamic_sampling", "lora"])
 def test_resume_continues_to_exactly_the_uninterrupted_metrics(sampling, compose, rl_overrides, tmp_path):
     full = rl_overrides + sampling + ["train.steps=4", "train.eval_every=2"]
     train(compose(full + [f"paths.output_dir={tmp_path / 'full'}"]))

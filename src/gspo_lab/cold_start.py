@@ -123,7 +123,9 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
         check_context(model, tokenizer, task, budgets)
 
     seed = cfg.seed if sft.seed is None else sft.seed
-    key = cache_key(*(OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task")), sft, seed)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    model_cfg.pop("lora", None)  # adapters train in RL only: the cold start (full SFT) is the same with or without
+    key = cache_key(model_cfg, OmegaConf.to_container(cfg.task, resolve=True), sft, seed)
     accelerator = cfg.trainer.get("accelerator", "cpu") if "trainer" in cfg else "cpu"
     model, tokenizer, info = cold_start(model_source, task, sft, seed, key, cfg.paths.cache_dir, accelerator, check)
     return model, tokenizer, {"enabled": True, **info}

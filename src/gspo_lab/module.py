@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
 from gspo_lab.evaluation import accuracy
+from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective, frac_zero_std
 from gspo_lab.objectives.base import masked_mean
 from gspo_lab.rollout import Completions, PromptSchedule, RolloutBatch, StepTicks, generate, token_logprobs
@@ -59,6 +61,7 @@ class RLModule(L.LightningModule):
         optimizer: a partial taking the parameters, e.g. `functools.partial(torch.optim.AdamW, lr=3e-5)`.
         rollout, train, routing: validated settings (gspo_lab.config).
         seed: the run's seed.
+        lora: the PEFT wrapper when `model` trains through LoRA adapters (gspo_lab.models.lora), else None.
     """
 
     def __init__(
@@ -73,14 +76,18 @@ class RLModule(L.LightningModule):
         train: TrainConfig,
         routing: RoutingConfig,
         seed: int,
+        lora: LoraPolicy | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.model.train()  # what Lightning expects at the start of fit; RL itself runs in eval mode (on_train_start)
         self.objective, self.advantage, self.optimizer_factory = objective, advantage, optimizer
-        # the KL penalty's reference: the starting policy (the cold start, or the initial model), frozen
-        self.reference = frozen_copy(model) if getattr(objective, "beta", 0.0) > 0 else None
+        # the KL penalty's reference: the starting policy (the cold start, or the initial model), frozen; under
+        # LoRA the same model with its adapters disabled
+        self.lora = lora
+        self.kl_penalty = getattr(objective, "beta", 0.0) > 0
+        self.reference = frozen_copy(model) if self.kl_penalty and lora is None else None
         self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
         self.routing = RoutingReplay(model, routing.replay, diagnostics_rows=routing.diagnostics_rows)
         self.engine = RolloutEngine(model, rollout.engine)  # the trainer's model itself unless configured
@@ -98,6 +105,9 @@ class RLModule(L.LightningModule):
         shard the policy with FSDP2 within a node and replicate it across nodes. Other strategies give no mesh
         and leave the model as it is. Every rank still trains on its own share of the prompts."""
         if self.device_mesh is not None:
+            if self.lora is not None:
+                raise ValueError("model.lora.enabled=true is not supported with trainer=fsdp (untested); use "
+                                 "trainer=ddp or full training")
             if self.engine.copy is not None:
                 raise ValueError("rollout.engine.precision / weight_bits: an engine copy of the weights is not "
                                  "supported with trainer=fsdp (sharded weights); use trainer=ddp or the default engine")
@@ -114,7 +124,7 @@ class RLModule(L.LightningModule):
             self.reference.eval()
 
     def configure_optimizers(self):
-        return self.optimizer_factory(self.model.parameters())
+        return self.optimizer_factory([p for p in self.model.parameters() if p.requires_grad])  # LoRA: adapters
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(StepTicks(self.train_cfg.steps), batch_size=None)
@@ -130,8 +140,13 @@ class RLModule(L.LightningModule):
         checkpoint["history"] = self.history
         checkpoint["consecutive_skips"] = self.consecutive_skips
         checkpoint["reward_errors"] = self.reward_errors
+        if self.lora is not None:  # the adapters only: the base weights come from the model source on resume
+            self.lora.save_checkpoint(checkpoint, prefix="model.")
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self.lora is not None:
+            self.lora.check_checkpoint(checkpoint, prefix="model.")
+            self.strict_loading = False  # checked above: exactly the adapters, for this base
         self.rl_step = checkpoint["rl_step"]
         self.history = [row for row in checkpoint["history"] if row["step"] < self.rl_step]
         self.consecutive_skips = checkpoint["consecutive_skips"]
@@ -204,9 +219,10 @@ class RLModule(L.LightningModule):
                 batch.old_logp, _ = self.logprobs(batch)
             batch.routing_trace = trace
         metrics["time/old_logprobs_s"] = time.perf_counter() - started
-        if self.reference is not None:
+        if self.kl_penalty:
             started = time.perf_counter()
-            with torch.no_grad():  # the reference routes with its own routers: replay hooks only the policy's
+            # the reference routes with its own routers: no replay context is open here
+            with torch.no_grad(), self.lora.disabled() if self.lora is not None else nullcontext():
                 batch.ref_logp, _ = self.logprobs(batch, self.reference)
             metrics["time/ref_logprobs_s"] = time.perf_counter() - started
         return batch

@@ -1,5 +1,5 @@
 """Seeds of the run's random streams: each stream (the cold start's demonstrations, the RL prompts, the RL
-sampling) derives its own seed from (run seed, stream name, step), so no two streams draw the same values.
+sampling, the LoRA adapters' initialisation) derives its own seed from (run seed, stream name, step), so no two streams draw the same values.
 
 >>> stream_seed(0, "rl_prompts", 3) == stream_seed(0, "rl_prompts", 3)
 True
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
+LORA_INIT = "lora_init"
 RL_PROMPTS = "rl_prompts"
 RL_SAMPLING = "rl_sampling"
 SFT_DEMONSTRATIONS = "sft_demonstrations"

@@ -32,6 +32,7 @@ from gspo_lab.callbacks import GracefulStop
 from gspo_lab.cold_start import policy_from_config
 from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import ContextTooLong
+from gspo_lab.models.lora import apply_lora
 from gspo_lab.module import RLModule, TooManySkippedUpdates
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
@@ -70,6 +71,7 @@ class Plan:
     objective: object
     advantage: object
     optimizer: object
+    model_source: object
     ckpt_path: str | None
 
 
@@ -78,7 +80,7 @@ def plan(cfg: DictConfig) -> Plan:
     try:
         parts = {k: instantiate(cfg[k]) for k in ("rollout", "train", "routing", "task", "objective", "advantage",
                                                    "optimizer")}
-        instantiate(cfg.model)  # the model source checks its own settings; weights load later
+        model_source = instantiate(cfg.model)  # the model source checks its own settings; weights load later
         loggers = [instantiate(c) for c in cfg.get("logger", {}).values()]
         callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values()]
         trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
@@ -90,8 +92,8 @@ def plan(cfg: DictConfig) -> Plan:
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from error
     run_dir = Path(cfg.paths.output_dir)
-    return Plan(run_dir, trainer, loggers, callbacks, ckpt_path=resolve_checkpoint(cfg.get("ckpt_path"), run_dir),
-                **parts)
+    return Plan(run_dir, trainer, loggers, callbacks, model_source=model_source,
+                ckpt_path=resolve_checkpoint(cfg.get("ckpt_path"), run_dir), **parts)
 
 
 def check_rollout_correction(objective, rollout) -> None:
@@ -130,10 +132,11 @@ def build(cfg: DictConfig) -> tuple[Plan, RLModule, dict]:
     run = plan(cfg)
     try:
         model, tokenizer, cold_start = policy_from_config(cfg, run.task)
-    except ContextTooLong as error:
+        lora = apply_lora(model, run.model_source.lora, cfg.seed) if run.model_source.lora.enabled else None
+    except (ContextTooLong, ValueError) as error:
         raise ConfigError(str(error)) from error
     module = RLModule(model, tokenizer, run.task, run.objective, run.advantage, run.optimizer, run.rollout,
-                      run.train, run.routing, cfg.seed)
+                      run.train, run.routing, cfg.seed, lora)
     return run, module, cold_start
 
 
@@ -175,7 +178,10 @@ def train(cfg: DictConfig) -> dict:
     summary = summarise(module.history, time.perf_counter() - started, algorithm, str(run.run_dir))
     weights = full_state_dict(module.model) if is_sharded(module.model) else None  # collective under FSDP
     if trainer.is_global_zero:
-        module.model.save_pretrained(run.run_dir / "final", state_dict=weights)  # model=hf model.path=<run>/final
+        if module.lora is not None:  # final/adapter/ and the merged model in final/
+            module.lora.save_final(run.run_dir / "final")
+        else:
+            module.model.save_pretrained(run.run_dir / "final", state_dict=weights)  # model=hf model.path=<run>/final
         tokenizer.save_pretrained(run.run_dir / "final")
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_reward_curve(module.history, run.run_dir / "reward_curve.png", title=run.run_dir.name)

@@ -21,6 +21,7 @@ from torch.distributed._composable import checkpoint
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from gspo_lab.models.lora import LoraSettings
 from gspo_lab.models.tokenizer import char_tokenizer, check_bpe_vocab_size, task_bpe_tokenizer
 from gspo_lab.rollout.logprobs import check_logprobs_match
 
@@ -50,6 +51,7 @@ class TinyModel:
             transformers' "grouped_mm" or "eager".
         tokenizer: "char" (one token per character) or "task_bpe" (BPE trained on the task's training-split
             prompts and answers when the model loads; `tokenizer_vocab_size` tokens at most).
+        lora: LoRA adapters for RL (gspo_lab.models.lora.LoraSettings; conf/train.yaml's model.lora).
     """
 
     arch: str
@@ -59,8 +61,10 @@ class TinyModel:
     experts_implementation: str | None = None
     tokenizer: str = "char"
     tokenizer_vocab_size: int = 512
+    lora: Any = None
 
     def __post_init__(self) -> None:
+        self.lora = LoraSettings.of(self.lora)
         if isinstance(self.config, DictConfig):  # nested values (rope_parameters) must reach transformers as dicts
             self.config = OmegaConf.to_container(self.config, resolve=True)
         if self.arch not in CONFIG_MAPPING:
@@ -117,14 +121,17 @@ class PretrainedModel:
         dtype: "float32", "bfloat16" or "float16".
         gradient_checkpointing: recompute activations in the backward pass (`checkpoint_blocks`).
         experts_implementation: transformers' MoE expert kernel, or null for the checkpoint's default.
+        lora: LoRA adapters for RL (gspo_lab.models.lora.LoraSettings; conf/train.yaml's model.lora).
     """
 
     path: str | None = None
     dtype: str = "float32"
     gradient_checkpointing: bool = False
     experts_implementation: str | None = None
+    lora: Any = None
 
     def __post_init__(self) -> None:
+        self.lora = LoraSettings.of(self.lora)
         _dtype(self.dtype, "model.dtype")
         if self.path is None:
             raise ValueError("model.path is not set: model=hf needs model.path=/path/to/checkpoint")
