@@ -6,6 +6,7 @@ run, same threads, same dtype).
     python scripts/bench.py --workload bench_anchor --steps 20 model.config.num_hidden_layers=8
     python scripts/bench.py --workload bench_gpu trainer=gpu      # on a GPU node: a 334M-parameter MoE in bf16
     python scripts/bench.py objective.beta=0.04   # the KL penalty's reference policy: its forward and memory
+    python scripts/bench.py objective.beta=0.04 model.lora.enabled=true   # LoRA: the reference is the base itself
 
 Model FLOPs per RL step count the matmuls of the active parameters (experts weighted by top-k / experts):
 2 N per token for each forward (generation, the old log-probs' forward unless they come from generation, the
@@ -26,6 +27,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from gspo_lab import CONFIG_DIR
+from gspo_lab.models.lora import apply_lora
 from gspo_lab.report.run import step_rows
 from gspo_lab.train import train
 
@@ -69,9 +71,15 @@ def main() -> None:
         cfg = compose("train", overrides=[f"experiment={args.workload}", f"train.steps={args.steps}",
                                           f"paths.output_dir={out}", "callbacks.progress.refresh_rate=0",
                                           *args.overrides])
-        model, _ = instantiate(cfg.model).load(instantiate(cfg.task))  # task_bpe trains on the task
+        source = instantiate(cfg.model)
+        model, _ = source.load(instantiate(cfg.task))  # task_bpe trains on the task
         active = active_parameters(model)
         parameter_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        if source.lora.enabled:
+            model = apply_lora(model, source.lora).model
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # gradients and AdamW's two moments, one copy each per trained parameter
+        trained_mib = 3 * sum(p.numel() * p.element_size() for p in trainable) / 2**20
         dtype, device = next(model.parameters()).dtype, "cuda" if cfg.trainer.accelerator == "gpu" else "cpu"
         del model
         if device == "cuda":
@@ -99,9 +107,12 @@ def main() -> None:
     print(f"    mismatch forward    {mismatch_s:.4f} (diagnostic rows, part of the rollout)")
     if cfg.objective.beta > 0:  # a frozen copy of the policy, one no-grad forward per rollout batch
         reference_s = statistics.median(r["time/ref_logprobs_s"] for r in rows)
-        print(f"    reference log-probs {reference_s:.4f} (part of the rollout; its weights: {parameter_mib:.1f} MiB)")
+        weights = "none: the model with adapters disabled" if source.lora.enabled else f"{parameter_mib:.1f} MiB"
+        print(f"    reference log-probs {reference_s:.4f} (part of the rollout; its own weights: {weights})")
     print(f"    updates (+diagnostics) {median['time/update_s']:.4f}")
     print(f"  completion tokens/s   {median['throughput/tokens_per_s']:.0f}")
+    print(f"  parameters            {parameter_mib:.1f} MiB; trained {sum(p.numel() for p in trainable) / 1e6:.2f}M, "
+          f"their gradients and AdamW moments {trained_mib:.1f} MiB")
     print(f"  peak memory           {peak:.0f} MiB ({'CUDA allocated' if device == 'cuda' else 'process RSS'})")
     print(f"  matmul rate           {rate / 1e9:.1f} GFLOP/s ({dtype}, {device})")
     print(f"  model FLOPs per step  {flops / 1e9:.2f} GFLOP -> MFU {100 * flops / step / rate:.2f}%")

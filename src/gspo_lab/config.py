@@ -71,6 +71,9 @@ class RolloutConfig:
         logprobs_from_generation: take old log-probs from generate's logits instead of a second forward
             (the default; r2 routing replay needs the forward).
         suppress_eos: never sample EOS, so every completion has exactly max_new_tokens (benchmarks).
+        share_prompt_prefill: prefill each group's prompt once and continue its group_size completions from its
+            keys and values (gspo_lab.rollout.generation.prefill_distinct_prompts): the same samples to float
+            rounding; engine router noise is then drawn once per prompt, as an engine with prefix caching does.
         filter_zero_std_groups: DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage)
             are dropped and further rounds of prompts are sampled until the step has `prompts_per_step`
             groups with differing rewards (gspo_lab.rollout.dynamic_sampling).
@@ -87,6 +90,7 @@ class RolloutConfig:
     mask_truncated: bool = False
     logprobs_from_generation: bool = True
     suppress_eos: bool = False
+    share_prompt_prefill: bool = True
     filter_zero_std_groups: bool = False
     max_sampling_rounds: int = 4
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -123,6 +127,9 @@ class TrainConfig:
             evaluates (benchmarks).
         ckpt_every: RL steps between checkpoints (last.ckpt is always kept).
         logprob_chunk_rows: rows per chunk of the log-prob computation (bounds its memory).
+        share_prompt_forward: training and reference forwards run each distinct prompt once and its group's
+            completions on its keys and values (gspo_lab.rollout.logprobs.shared_prompt_hidden): the same
+            maths to float rounding, less work; not under routing replay, FSDP or activation checkpointing.
         max_consecutive_skips: stop the run after this many updates in a row skipped for NaN/Inf.
         on_reward_error: "zero" scores a completion whose reward function raised 0 (reported and counted
             in reward/errors); "raise" stops the run.
@@ -136,6 +143,7 @@ class TrainConfig:
     eval_every: int = 25
     ckpt_every: int = 50
     logprob_chunk_rows: int = 32
+    share_prompt_forward: bool = True
     max_consecutive_skips: int = 5
     on_reward_error: str = "zero"
 

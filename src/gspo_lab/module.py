@@ -215,15 +215,15 @@ class RLModule(L.LightningModule):
         metrics["time/mismatch_s"] = time.perf_counter() - started
         started = time.perf_counter()
         if batch.old_logp is None:
-            with torch.no_grad(), self.routing.old_policy(batch) as trace:
-                batch.old_logp, _ = self.logprobs(batch)
+            with torch.no_grad(), self.routing.old_policy(batch) as trace:  # r3 replays here, off and r2 record
+                batch.old_logp, _ = self.logprobs(batch, share_prompts=self.routing.mode != "r3")
             batch.routing_trace = trace
         metrics["time/old_logprobs_s"] = time.perf_counter() - started
         if self.kl_penalty:
             started = time.perf_counter()
             # the reference routes with its own routers: no replay context is open here
             with torch.no_grad(), self.lora.disabled() if self.lora is not None else nullcontext():
-                batch.ref_logp, _ = self.logprobs(batch, self.reference)
+                batch.ref_logp, _ = self.logprobs(batch, self.reference, share_prompts=True)
             metrics["time/ref_logprobs_s"] = time.perf_counter() - started
         return batch
 
@@ -269,6 +269,7 @@ class RLModule(L.LightningModule):
             completions = generate(
                 self.engine.model, self.tokenizer, prompts, cfg.max_new_tokens, temperature=cfg.temperature,
                 top_p=cfg.top_p, suppress_eos=cfg.suppress_eos, return_logprobs=True,
+                share_prompts=cfg.share_prompt_prefill,
             )
         metrics["time/engine_sync_s"] = metrics.get("time/engine_sync_s", 0.0) + synced - started
         metrics["time/generate_s"] = metrics.get("time/generate_s", 0.0) + time.perf_counter() - synced
@@ -278,7 +279,7 @@ class RLModule(L.LightningModule):
         """mismatch/* and routing/rollout_disagreement*: the trainer's own log-probs and experts (no replay,
         no grad) against the engine's, on the diagnostic rows of the batch, before any update."""
         rows = self.routing.diagnostic_rows(batch)
-        train_logp, metrics = self.routing.before_update(rows, self.logprobs)
+        train_logp, metrics = self.routing.before_update(rows, self.shared_logprobs)
         completion_mask = rows.attention_mask[:, -rows.completion_len :]
         return {**metrics, **mismatch_metrics(train_logp, rows.rollout_logp, completion_mask)}
 
@@ -309,7 +310,7 @@ class RLModule(L.LightningModule):
             })
         metrics = combine(collected)
         metrics["train/skipped_updates"] = float(skipped)
-        metrics.update(self.routing.diagnostics(batch, self.logprobs))
+        metrics.update(self.routing.diagnostics(batch, self.shared_logprobs))
         return metrics
 
     # ---- pieces -------------------------------------------------------------------------------------------
@@ -318,7 +319,7 @@ class RLModule(L.LightningModule):
         """Objective and gradient of one mini-batch; (None, None) on every rank when any rank's loss is
         non-finite. Backward runs inside the replay context, so recomputed forwards replay too."""
         with self.routing.training(minibatch):
-            logp, entropy = self.logprobs(minibatch)
+            logp, entropy = self.logprobs(minibatch, share_prompts=not self.routing.replays_in_training)
             try:
                 out = self.objective(logp, minibatch.old_logp, minibatch.advantages, minibatch.loss_mask,
                                      ref_logp=minibatch.ref_logp, rollout_logp=minibatch.rollout_logp)
@@ -330,12 +331,19 @@ class RLModule(L.LightningModule):
             self.manual_backward(out.loss)
         return out, entropy
 
-    def logprobs(self, batch: RolloutBatch, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropy of the batch's completion tokens under `model` (default: the policy)."""
+    def logprobs(self, batch: RolloutBatch, model: torch.nn.Module | None = None,
+                 share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy of the batch's completion tokens under `model` (default: the policy);
+        `share_prompts` (train.share_prompt_forward, never with routing hooks or FSDP): each prompt runs once."""
+        share = share_prompts and self.train_cfg.share_prompt_forward and not is_sharded(self.model)
         return token_logprobs(
             self.model if model is None else model, batch.input_ids, batch.attention_mask, batch.completion_len,
-            self.rollout_cfg.temperature, self.train_cfg.logprob_chunk_rows,
+            self.rollout_cfg.temperature, self.train_cfg.logprob_chunk_rows, share_prompts=share,
         )
+
+    def shared_logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logprobs` of the policy with each prompt run once, for forwards that only record routing."""
+        return self.logprobs(batch, share_prompts=True)
 
     def score(self, example: Example, completion: str) -> float:
         """The task's reward; a reward function that raises is reported, counted and scored 0."""

@@ -1,6 +1,8 @@
 """Per-token log-probs of completion tokens without a [B, T, V] float32 log-softmax for the whole batch.
 
-The decoder runs once over the batch; the LM head, the architecture's own post-processing of the head's output
+The decoder runs once over the batch (with `share_prompts`, once over each distinct prompt and then over every
+row's completion tokens, attending to its prompt's keys and values: the same maths, computed once per group
+instead of once per row; `shared_prompt_hidden`); the LM head, the architecture's own post-processing of the head's output
 (`head_transform`: a logit scale, Gemma-style soft-capping), the temperature and the log-softmax then run on row
 chunks of the completion positions only. In training each chunk is activation-checkpointed, so its [rows, C, V]
 logits are recomputed in the backward pass instead of kept: peak memory is one chunk's logits. Each row's
@@ -12,15 +14,19 @@ architecture whose own logits this path does not reproduce.
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.distributed._composable.contract import _get_registry
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from gspo_lab.decoder import decoder_of
 from gspo_lab.rollout.generation import position_ids
+from gspo_lab.routing.hooks import distinct_prompt_rows
 
 # model_type -> (config attribute, op): its ForCausalLM.forward returns logits = op(lm_head(h), config.<attribute>)
 # (transformers' models/<model_type>/modeling_<model_type>.py)
@@ -63,6 +69,49 @@ def _chunk_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, tran
     return logp, entropy
 
 
+def is_checkpointed(model: torch.nn.Module) -> bool:
+    """Whether blocks of `model` recompute their activations in backward (gspo_lab.models.builders.checkpoint_blocks)."""
+    return any("checkpoint" in (_get_registry(m) or {}) for m in model.modules())
+
+
+KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # cache layers holding keys and values only
+UNSHAREABLE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # decoders whose cache holds other state
+
+
+def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                         completion_len: int) -> Tensor | None:
+    """The decoder's hidden states at the positions that predict the completion tokens, [B, C, H], computed
+    with each distinct prompt run once: a forward over the U distinct (prompt, prompt mask) rows keeps their
+    keys and values; those are gathered to the B rows (autograd carries their gradient back) and a second
+    forward runs the completion columns only, attending to them as incremental decoding does. The same
+    function as one forward over [B, P + C], to float rounding (tested), in about (U P + B C) / (B (P + C)) of
+    the decoder's work. None when every prompt is distinct (nothing to share), or when the architecture's cache
+    is not plain keys and values (Qwen3-Next's and Qwen3.5's linear attention update their state in place, which
+    autograd refuses)."""
+    if decoder in UNSHAREABLE:
+        return None
+    prompt_len = input_ids.shape[1] - completion_len
+    prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len]], 1)  # [B, 2P]
+    distinct, inverse = torch.unique(prompts, dim=0, return_inverse=True)  # [U, 2P], [B]
+    if len(distinct) == len(prompts):
+        return None
+    prompt_ids, prompt_mask = distinct[:, :prompt_len], distinct[:, prompt_len:]
+    with distinct_prompt_rows(inverse):  # a routing recorder stores this call's experts for all B rows
+        prefix = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
+                         use_cache=True)  # [U, P, H] and the prompts' keys and values
+    cache = prefix.past_key_values
+    if not all(type(layer) in KV_LAYERS for layer in getattr(cache, "layers", [None])):
+        UNSHAREABLE.add(decoder)  # a linear-attention state is updated in place by the next forward
+        return None
+    cache.reorder_cache(inverse)  # every cache layer: rows u -> rows b (index_select)
+    completions = decoder(
+        input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask)[:, prompt_len:], past_key_values=cache, use_cache=True,
+    ).last_hidden_state  # [B, C, H]
+    last_prompt = prefix.last_hidden_state[inverse, -1:]  # [B, 1, H]: predicts the first completion token
+    return torch.cat([last_prompt, completions[:, :-1]], 1)  # [B, C, H]
+
+
 def token_logprobs(
     model: PreTrainedModel,
     input_ids: Tensor,
@@ -70,23 +119,31 @@ def token_logprobs(
     completion_len: int,
     temperature: float = 1.0,
     chunk_rows: int = 32,
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """log π(y_t | x, y_<t) and the policy entropy at each of the last `completion_len` positions: log_softmax of
     the model's own logits / temperature, in whatever mode the model is in (RLModule keeps it in eval mode).
 
     input_ids, attention_mask: [B, P + C]; returns two [B, C] tensors (log-probs carry the gradient when
-    grad is enabled; entropy is detached).
+    grad is enabled; entropy is detached). `share_prompts`: run each distinct prompt once
+    (`shared_prompt_hidden`); routing recorders see every row, but not under routing replay (its hooks expect
+    one [B, P + C] forward); ignored for a model with activation checkpointing (a block recomputed with a KV
+    cache would append to it twice).
     """
     decoder = decoder_of(model)
     head = model.get_output_embeddings()
     transform = head_transform(model)
-    hidden = decoder(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask),
-        use_cache=False,
-    ).last_hidden_state  # [B, P + C, H]
-    hidden = hidden[:, -completion_len - 1 : -1]  # position t predicts token t + 1  [B, C, H]
+    hidden = None
+    if share_prompts and not is_checkpointed(model):
+        hidden = shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len)
+    if hidden is None:
+        hidden = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            use_cache=False,
+        ).last_hidden_state  # [B, P + C, H]
+        hidden = hidden[:, -completion_len - 1 : -1]  # position t predicts token t + 1  [B, C, H]
     targets = input_ids[:, -completion_len:]  # [B, C]
     logps, entropies = [], []
     for rows in range(0, input_ids.shape[0], chunk_rows):

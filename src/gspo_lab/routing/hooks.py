@@ -12,6 +12,7 @@ nothing is stored on classes or in globals, so two models (or two runs in one pr
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -21,6 +22,22 @@ from torch import Tensor
 from gspo_lab.decoder import decoder_of
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.routing.trace import RoutingTrace, compact_dtype
+
+
+# set while a decoder call runs on distinct prompts whose keys and values are then gathered to the batch's rows
+# (gspo_lab.rollout.generation.prefill_distinct_prompts): row b of the batch is row _PREFIX_ROWS[b] of that call
+_PREFIX_ROWS: ContextVar[Tensor | None] = ContextVar("prefix_rows", default=None)
+
+
+@contextmanager
+def distinct_prompt_rows(inverse: Tensor) -> Iterator[None]:
+    """Around a decoder call over distinct prompts that stand for the batch's rows `inverse` [B] (an index into
+    the call's rows): a recorder stores that call's experts for every batch row, so its trace stays [B, L]."""
+    token = _PREFIX_ROWS.set(inverse)
+    try:
+        yield
+    finally:
+        _PREFIX_ROWS.reset(token)
 
 
 def _batch_shape(args, kwargs) -> tuple[int, int]:
@@ -61,7 +78,9 @@ class _Recorder:
     def __call__(self, layer, router, adapter, hidden, output, shape) -> None:
         _, indices = adapter.choice(router, output)
         rows, length = shape
-        self.calls[layer].append(indices.detach().to("cpu", compact_dtype(router.num_experts)).reshape(rows, length, -1))
+        indices = indices.detach().to("cpu", compact_dtype(router.num_experts)).reshape(rows, length, -1)
+        prefix_rows = _PREFIX_ROWS.get()
+        self.calls[layer].append(indices if prefix_rows is None else indices[prefix_rows.cpu()])  # [B, length, k]
 
     def trace(self, prompt_len: int | None) -> RoutingTrace:
         if not self.calls[0]:

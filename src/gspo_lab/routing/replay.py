@@ -75,9 +75,14 @@ class RoutingReplay:
             with record_routing(self.model, batch.input_ids.shape[1] - batch.completion_len) as trace:
                 yield trace
 
+    @property
+    def replays_in_training(self) -> bool:
+        """Whether training forwards run under replay hooks (which expect one [B, L] forward per call)."""
+        return self.mode != "off" and self.moe
+
     def training(self, minibatch):
         """Around a training forward and its backward (gradient checkpointing recomputes inside it)."""
-        if self.mode == "off" or not self.moe:
+        if not self.replays_in_training:
             return nullcontext()
         return self._replay_counting(minibatch)
 

@@ -1,0 +1,127 @@
+"""Prompts computed once per group. The shared-prompt forward (train.share_prompt_forward;
+gspo_lab.rollout.logprobs.shared_prompt_hidden) must give the log-probs and gradients of one full forward on every
+supported architecture, run the decoder on the distinct prompts only, and fall back to the full forward where the
+cache is not keys and values or blocks are checkpointed. The shared prefill of generation
+(rollout.share_prompt_prefill; gspo_lab.rollout.generation.prefill_distinct_prompts) must decode the same tokens
+with the same log-probs and record the same experts for every row."""
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from gspo_lab import CONFIG_DIR
+from gspo_lab.decoder import decoder_of
+from gspo_lab.models.builders import checkpoint_blocks
+from gspo_lab.rollout import generate, token_logprobs
+from gspo_lab.routing import record_routing
+from gspo_lab.routing.adapters import find_routers
+
+FAMILIES = ["tiny_moe", "tiny_dense", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe", "tiny_deepseek_v3",
+            "tiny_gpt_oss", "tiny_glm4_moe", "tiny_llama4", "tiny_minimax_m2", "tiny_ernie4_5_moe", "tiny_dots1",
+            "tiny_solar_open", "tiny_exaone_moe"]
+LINEAR_ATTENTION = ["tiny_qwen3_next", "tiny_qwen3_5_moe"]  # their cache holds recurrent state: no sharing
+# 4 prompts of different lengths (left padding), 3 completions each, the rows not grouped (as in a mini-batch)
+PROMPTS = [p for _ in range(3) for p in ["123+456=", "1+2=", "77+8=", "500+500="]]
+
+
+def load(name: str):
+    torch.manual_seed(0)
+    cfg = OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml")
+    cfg.config.num_hidden_layers = 2
+    model, tokenizer = instantiate(cfg).load()
+    for _, router, _ in find_routers(model, "test") if name != "tiny_dense" else []:
+        torch.nn.init.normal_(router.weight, std=0.5)  # well-separated expert choices
+    return model, tokenizer
+
+
+def rollout(name: str):
+    model, tokenizer = load(name)
+    out = generate(model, tokenizer, PROMPTS, 6)
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+    return model, ids, mask, out.completion_ids.shape[1], out.completion_mask.bool()
+
+
+def logprobs_and_grads(model, ids, mask, completion_len, share: bool):
+    model.zero_grad()
+    calls = []
+    hook = decoder_of(model).register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    logp, _ = token_logprobs(model, ids, mask, completion_len, share_prompts=share)
+    hook.remove()
+    logp.sum().backward()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return logp.detach(), grads, calls
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sharing_prompts_gives_the_full_forwards_logprobs_and_gradients(name):
+    model, ids, mask, C, completion = rollout(name)
+    full, full_grads, full_calls = logprobs_and_grads(model, ids, mask, C, share=False)
+    shared, shared_grads, calls = logprobs_and_grads(model, ids, mask, C, share=True)
+    P = ids.shape[1] - C
+    assert full_calls == [(12, P + C)]
+    assert calls == [(4, P), (12, C)]  # the 4 distinct prompts once, then the 12 rows' completion columns
+    assert (shared - full)[completion].abs().max() < 2e-6  # float rounding of a different summation order
+    for a, b in zip(full_grads, shared_grads):
+        assert (a - b).abs().max() <= 1e-5 * (1 + a.abs().max())
+
+
+@pytest.mark.parametrize("name", LINEAR_ATTENTION)
+def test_a_linear_attention_cache_falls_back_to_the_full_forward(name):
+    model, ids, mask, C, _ = rollout(name)
+    full, _, _ = logprobs_and_grads(model, ids, mask, C, share=False)
+    shared, _, calls = logprobs_and_grads(model, ids, mask, C, share=True)
+    assert calls[-1] == tuple(ids.shape)  # the prompts' forward is tried once, then the full one runs
+    assert torch.equal(shared, full)
+    _, _, again = logprobs_and_grads(model, ids, mask, C, share=True)
+    assert again == [tuple(ids.shape)]  # and the decoder is remembered: no second try
+
+
+def test_checkpointed_blocks_and_distinct_prompts_use_the_full_forward():
+    model, ids, mask, C, _ = rollout("tiny_moe")
+    distinct = slice(0, 4)  # one completion of each prompt: nothing to share
+    _, _, calls = logprobs_and_grads(model, ids[distinct], mask[distinct], C, share=True)
+    assert calls == [(4, ids.shape[1])]
+    checkpoint_blocks(model)
+    _, _, calls = logprobs_and_grads(model, ids, mask, C, share=True)
+    assert calls == [tuple(ids.shape)]
+
+
+@pytest.mark.parametrize("name", FAMILIES + LINEAR_ATTENTION)
+def test_prefilling_each_prompt_once_decodes_the_same_tokens_and_records_the_same_experts(name):
+    model, tokenizer = load(name)
+    outputs = {}
+    for share in (False, True):
+        calls = []
+        hook = decoder_of(model).register_forward_pre_hook(
+            lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        with record_routing(model) if name != "tiny_dense" else nullcontext() as trace:
+            out = generate(model, tokenizer, PROMPTS, 8, greedy=True, return_logprobs=True, share_prompts=share)
+        hook.remove()
+        outputs[share] = out, trace, calls
+    (full, full_trace, full_calls), (shared, shared_trace, shared_calls) = outputs[False], outputs[True]
+    P = full.prompt_ids.shape[1]
+    assert full_calls[0] == (12, P)
+    assert shared_calls[:2] == [(4, P - 1), (12, 1)]  # 4 distinct prompts but their last token, then all 12 rows
+    assert torch.equal(shared.completion_ids, full.completion_ids)
+    completion = full.completion_mask.bool()
+    assert (shared.logprobs - full.logprobs)[completion].abs().max() < 2e-6
+    if full_trace is not None:  # every row's prompt experts too, though its prompt ran once
+        assert torch.equal(shared_trace.indices, full_trace.indices)
+
+
+@pytest.mark.parametrize("name", ["tiny_moe", "tiny_deepseek_v3", "tiny_llama4"])
+def test_a_shared_forward_records_every_rows_experts(name):
+    model, ids, mask, C, _ = rollout(name)
+    traces = []
+    for share in (False, True):
+        with torch.no_grad(), record_routing(model) as trace:
+            token_logprobs(model, ids, mask, C, share_prompts=share)
+        traces.append(trace)
+    assert traces[1].indices.shape == traces[0].indices.shape == (2, 12, ids.shape[1], traces[0].indices.shape[-1])
+    assert torch.equal(traces[1].indices, traces[0].indices)  # r2 replays such a trace in unshared forwards
