@@ -14,7 +14,6 @@ architecture whose own logits this path does not reproduce.
 from __future__ import annotations
 
 import operator
-import weakref
 from typing import Callable
 
 import torch
@@ -22,7 +21,7 @@ from torch import Tensor
 from torch.distributed._composable.contract import _get_registry
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from gspo_lab.decoder import decoder_of
 from gspo_lab.rollout.generation import position_ids
@@ -75,7 +74,19 @@ def is_checkpointed(model: torch.nn.Module) -> bool:
 
 
 KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # cache layers holding keys and values only
-UNSHAREABLE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # decoders whose cache holds other state
+# the shared forward runs two decoder calls and gathers a cache: below this saving of decoder tokens it is slower
+# (docs/benchmarks.md: +0.035 s per anchor step at a 13% saving, -0.9 s per bench_paper step at about 42%)
+MIN_TOKEN_SAVING = 0.25
+
+
+def kv_cache(decoder: torch.nn.Module) -> DynamicCache | None:
+    """An empty cache of the decoder's layer types, or None when a layer keeps more than keys and values
+    (Qwen3-Next's and Qwen3.5's linear attention update their state in place, which autograd refuses)."""
+    config = getattr(decoder, "config", None)
+    if config is None:
+        return None
+    cache = DynamicCache(config=config.get_text_config())
+    return cache if all(type(layer) in KV_LAYERS for layer in cache.layers) else None
 
 
 def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
@@ -85,24 +96,21 @@ def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: Tensor, attention_
     keys and values; those are gathered to the B rows (autograd carries their gradient back) and a second
     forward runs the completion columns only, attending to them as incremental decoding does. The same
     function as one forward over [B, P + C], to float rounding (tested), in about (U P + B C) / (B (P + C)) of
-    the decoder's work. None when every prompt is distinct (nothing to share), or when the architecture's cache
-    is not plain keys and values (Qwen3-Next's and Qwen3.5's linear attention update their state in place, which
-    autograd refuses)."""
-    if decoder in UNSHAREABLE:
-        return None
-    prompt_len = input_ids.shape[1] - completion_len
+    the decoder's work. None (the caller runs the full forward) when that saves less than MIN_TOKEN_SAVING of
+    the tokens, or the architecture's cache is not plain keys and values (`kv_cache`)."""
+    rows, prompt_len = input_ids.shape[0], input_ids.shape[1] - completion_len
     prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len]], 1)  # [B, 2P]
     distinct, inverse = torch.unique(prompts, dim=0, return_inverse=True)  # [U, 2P], [B]
-    if len(distinct) == len(prompts):
+    shared_tokens = len(distinct) * prompt_len + rows * completion_len
+    if shared_tokens > (1 - MIN_TOKEN_SAVING) * rows * (prompt_len + completion_len):
+        return None
+    cache = kv_cache(decoder)
+    if cache is None:
         return None
     prompt_ids, prompt_mask = distinct[:, :prompt_len], distinct[:, prompt_len:]
     with distinct_prompt_rows(inverse):  # a routing recorder stores this call's experts for all B rows
         prefix = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
-                         use_cache=True)  # [U, P, H] and the prompts' keys and values
-    cache = prefix.past_key_values
-    if not all(type(layer) in KV_LAYERS for layer in getattr(cache, "layers", [None])):
-        UNSHAREABLE.add(decoder)  # a linear-attention state is updated in place by the next forward
-        return None
+                         past_key_values=cache, use_cache=True)  # [U, P, H]; the prompts' keys and values in cache
     cache.reorder_cache(inverse)  # every cache layer: rows u -> rows b (index_select)
     completions = decoder(
         input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
