@@ -51,17 +51,17 @@ def move_adapters(model, which: str = "lora_B", std: float = 0.5) -> None:
 
 def test_targets_the_expert_weights_and_the_router_gates():
     model, _ = load("tiny_moe")
-    assert target_parameters(model, LoraSettings()) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj",
-                                                        "mlp.gate.weight"]
-    assert target_parameters(model, LoraSettings(experts=False)) == ["mlp.gate.weight"]
-    assert target_parameters(model, LoraSettings(experts=False, routers=False)) == []
+    assert target_parameters(model, LoraSettings(experts=True)) == ["mlp.experts.down_proj",
+                                                                    "mlp.experts.gate_up_proj", "mlp.gate.weight"]
+    assert target_parameters(model, LoraSettings()) == ["mlp.gate.weight"]  # experts off by default
+    assert target_parameters(model, LoraSettings(routers=False)) == []
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_only_adapters_train_and_the_routers_stay_in_place(name):
     model, _ = load(name)
     total = sum(p.numel() for p in model.parameters())
-    policy = apply_lora(model, LoraSettings(enabled=True, rank=4))
+    policy = apply_lora(model, LoraSettings(enabled=True, rank=4, experts=True))
     trainable = [n for n, p in policy.model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     # adapters on attention, on both expert weights and on the gate, in every layer
@@ -80,7 +80,7 @@ def test_the_reference_is_the_model_with_adapters_disabled(name):
     ids, mask, C = batch(model, tokenizer)
     with torch.no_grad():
         base, _ = token_logprobs(model, ids, mask, C)
-    policy = apply_lora(model, LoraSettings(enabled=True, rank=4))
+    policy = apply_lora(model, LoraSettings(enabled=True, rank=4, experts=True))
     move_adapters(policy.model)
     with torch.no_grad():
         adapted, _ = token_logprobs(policy.model, ids, mask, C)
@@ -118,7 +118,7 @@ def test_bad_settings_name_the_key():
         LoraSettings.of({"ranks": 4})
 
 
-LORA = ["model.lora.enabled=true", "model.lora.rank=4", "objective.beta=0.04"]
+LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.experts=true", "objective.beta=0.04"]
 
 
 def test_a_lora_run_trains_the_adapters_only_and_saves_merged_and_adapters(compose, rl_overrides, tmp_path):

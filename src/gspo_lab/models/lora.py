@@ -40,7 +40,9 @@ class LoraSettings:
         enabled: train adapters instead of the full model.
         rank, alpha: LoRA's r and α (the update is α/r · B A).
         target_modules: Linear modules (by name suffix) that get adapters, e.g. the attention projections.
-        experts: adapters on every MoE expert weight too (3-D stacked parameters).
+        experts: adapters on every MoE expert weight too (3-D stacked parameters). Off by default: PEFT's
+            parameter LoRA rebuilds W + BA of the whole expert stack in every forward, every decode step included
+            (generation 2.5x slower on bench_paper's shapes at hidden 256; docs/benchmarks.md).
         routers: adapters on every router's gate weight (MoE models), so routing is trained.
     """
 
@@ -48,7 +50,7 @@ class LoraSettings:
     rank: int = 8
     alpha: float = 16.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    experts: bool = True
+    experts: bool = False
     routers: bool = True
 
     def __post_init__(self) -> None:
