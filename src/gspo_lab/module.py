@@ -10,7 +10,8 @@ One RL step is one `training_step`:
    `objective.beta > 0`, the frozen reference policy's log-probs from one more no-grad forward;
 4. `train.minibatches` shuffled mini-batches, one optimizer step each, with gradient clipping;
 5. metrics reduced across ranks and written once, with `step` = the RL step.
-The algorithm only chooses the objective (and the routing replay mode). Randomness is re-seeded from
+Steps 1-3 are the rollout half (gspo_lab.rollout.collection.RolloutCollection, mixed in); this file holds the
+Lightning plumbing and the updates. The algorithm only chooses the objective (and the routing replay mode). Randomness is re-seeded from
 (seed, step, rank) at the start of every step, so a run resumed from a checkpoint, or another algorithm on
 the same seed, draws the same prompts and (while the weights agree) the same samples.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -33,15 +33,15 @@ from torch.utils.data import DataLoader
 from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
 from gspo_lab.evaluation import accuracy
 from gspo_lab.models.lora import LoraPolicy
-from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective, frac_zero_std
+from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective
 from gspo_lab.objectives.base import masked_mean
-from gspo_lab.rollout import Completions, PromptSchedule, RolloutBatch, StepTicks, generate, token_logprobs
-from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
-from gspo_lab.rollout.engine import RolloutEngine, mismatch_metrics
+from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, token_logprobs
+from gspo_lab.rollout.collection import RolloutCollection
+from gspo_lab.rollout.engine import RolloutEngine
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
 from gspo_lab.sharding import is_sharded, shard
-from gspo_lab.tasks.base import Example, Task
+from gspo_lab.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class TooManySkippedUpdates(RuntimeError):
     """Raised after `train.max_consecutive_skips` updates in a row were skipped for NaN/Inf."""
 
 
-class RLModule(L.LightningModule):
+class RLModule(RolloutCollection, L.LightningModule):
     """Group-based policy optimisation of a causal LM, with manual optimisation.
 
     Args:
@@ -187,102 +187,6 @@ class RLModule(L.LightningModule):
                 self.log_step(self.rl_step, final)
             self.trainer.should_stop = True
 
-    def collect_rollout(self, step: int, metrics: dict[str, float]) -> RolloutBatch:
-        """This rank's rollout batch; adds the rollout's timings and the engine-trainer mismatch to `metrics`."""
-        cfg = self.rollout_cfg
-        sampled = self.sample_round(step, 0, metrics)
-        if cfg.filter_zero_std_groups:
-            sampled = self.resample_zero_std_groups(step, sampled, metrics)
-        completions, rewards, rollout_trace = sampled.completions, sampled.rewards, sampled.rollout_trace
-        loss_mask = completions.completion_mask
-        if cfg.mask_truncated:
-            loss_mask = loss_mask * (~completions.truncated)[:, None]
-        input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)
-        batch = RolloutBatch(
-            input_ids=input_ids,
-            attention_mask=torch.cat([completions.prompt_mask, completions.completion_mask], 1),
-            loss_mask=loss_mask,
-            old_logp=completions.logprobs if cfg.logprobs_from_generation else None,
-            rewards=rewards,
-            advantages=self.advantage(rewards, cfg.group_size),
-            truncated=completions.truncated,
-            routing_trace=rollout_trace,
-            rollout_logp=completions.logprobs,
-            rollout_trace=rollout_trace,
-        ).to(self.device)
-        started = time.perf_counter()
-        metrics.update(self.mismatch(batch))
-        metrics["time/mismatch_s"] = time.perf_counter() - started
-        started = time.perf_counter()
-        if batch.old_logp is None:
-            with torch.no_grad(), self.routing.old_policy(batch) as trace:  # r3 replays here, off and r2 record
-                batch.old_logp, _ = self.logprobs(batch, share_prompts=self.routing.mode != "r3")
-            batch.routing_trace = trace
-        metrics["time/old_logprobs_s"] = time.perf_counter() - started
-        if self.kl_penalty:
-            started = time.perf_counter()
-            # the reference routes with its own routers: no replay context is open here
-            with torch.no_grad(), self.lora.disabled() if self.lora is not None else nullcontext():
-                batch.ref_logp, _ = self.logprobs(batch, self.reference, share_prompts=True)
-            metrics["time/ref_logprobs_s"] = time.perf_counter() - started
-        return batch
-
-    def sample_round(self, step: int, sampling_round: int, metrics: dict[str, float]) -> SampledRound:
-        """One round of this rank's share of the step's prompts, `group_size` completions each, scored."""
-        cfg = self.rollout_cfg
-        examples = self.prompts.for_step(step, self.global_rank, self.trainer.world_size, sampling_round)
-        grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
-        completions = self.sample([e.prompt for e in grouped], metrics)
-        rewards = torch.tensor([self.score(e, text) for e, text in zip(grouped, completions.texts)])
-        if self.train_cfg.shuffle_rewards:  # negative control: rewards no longer belong to their completions
-            rewards = rewards[torch.randperm(len(rewards))]
-        prompt_len = completions.prompt_ids.shape[1]
-        trace = self.routing.generation_trace(prompt_len, prompt_len + completions.completion_ids.shape[1])
-        return SampledRound(grouped, completions, rewards, trace)
-
-    def resample_zero_std_groups(self, step: int, first: SampledRound, metrics: dict[str, float]) -> SampledRound:
-        """DAPO's dynamic sampling (gspo_lab.rollout.dynamic_sampling): further rounds until the step has
-        prompts_per_step groups with differing rewards, or max_sampling_rounds were sampled."""
-        cfg = self.rollout_cfg
-        rounds, needed = [first], len(first.rewards) // cfg.group_size
-
-        def short() -> bool:
-            return informative_count(rounds, cfg.group_size) < needed and len(rounds) < cfg.max_sampling_rounds
-
-        while self.trainer.strategy.reduce_boolean_decision(short(), all=False):  # ranks sample in lockstep
-            rounds.append(self.sample_round(step, len(rounds), metrics))
-        merged, unfilled = merge_rounds(rounds, cfg.group_size, needed, self.tokenizer.pad_token_id)
-        sampled = torch.cat([r.rewards for r in rounds])
-        metrics["rollout/sampling_rounds"] = float(len(rounds))
-        metrics["rollout/unfilled_groups"] = float(unfilled)
-        metrics["rollout/frac_zero_std_sampled"] = frac_zero_std(sampled, cfg.group_size).item()
-        return merged
-
-    def sample(self, prompts: list[str], metrics: dict[str, float]) -> Completions:
-        """Completions from the rollout engine, its weights first refreshed from the trainer's current ones;
-        the engine's own log-probs of the sampled tokens are always kept. Timings add up over a step's rounds."""
-        cfg = self.rollout_cfg
-        started = time.perf_counter()
-        self.engine.sync()
-        synced = time.perf_counter()
-        with self.engine.generating(), self.routing.generation(self.engine.model):
-            completions = generate(
-                self.engine.model, self.tokenizer, prompts, cfg.max_new_tokens, temperature=cfg.temperature,
-                top_p=cfg.top_p, suppress_eos=cfg.suppress_eos, return_logprobs=True,
-                share_prompts=cfg.share_prompt_prefill,
-            )
-        metrics["time/engine_sync_s"] = metrics.get("time/engine_sync_s", 0.0) + synced - started
-        metrics["time/generate_s"] = metrics.get("time/generate_s", 0.0) + time.perf_counter() - synced
-        return completions
-
-    def mismatch(self, batch: RolloutBatch) -> dict[str, float]:
-        """mismatch/* and routing/rollout_disagreement*: the trainer's own log-probs and experts (no replay,
-        no grad) against the engine's, on the diagnostic rows of the batch, before any update."""
-        rows = self.routing.diagnostic_rows(batch)
-        train_logp, metrics = self.routing.before_update(rows, self.shared_logprobs)
-        completion_mask = rows.attention_mask[:, -rows.completion_len :]
-        return {**metrics, **mismatch_metrics(train_logp, rows.rollout_logp, completion_mask)}
-
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         optimizer = self.optimizers()
         collected: list[dict[str, float]] = []
@@ -345,17 +249,6 @@ class RLModule(L.LightningModule):
         """`logprobs` of the policy with each prompt run once, for forwards that only record routing."""
         return self.logprobs(batch, share_prompts=True)
 
-    def score(self, example: Example, completion: str) -> float:
-        """The task's reward; a reward function that raises is reported, counted and scored 0."""
-        try:
-            return float(self.task.reward(example, completion))
-        except Exception as error:  # noqa: BLE001 - a user's reward function may raise anything
-            if self.train_cfg.on_reward_error == "raise":
-                raise RuntimeError(f"reward raised on prompt {example.prompt!r}, completion {completion!r}") from error
-            self.reward_errors += 1
-            log.warning("reward raised %r on prompt %r, completion %r; scored 0", error, example.prompt, completion)
-            return 0.0
-
     def grad_norm(self) -> torch.Tensor:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
@@ -383,19 +276,6 @@ class RLModule(L.LightningModule):
         sums = torch.stack([p.detach().double().sum() for p in self.model.parameters()])  # [n_tensors]
         gathered = self.all_gather(sums)  # [world, n_tensors]
         return (gathered - gathered[0]).abs().max().item()
-
-    def rollout_metrics(self, batch: RolloutBatch) -> dict[str, float]:
-        lengths = batch.attention_mask[:, -batch.completion_len :].sum(-1).float()
-        return {
-            "rollout/completions": float(len(batch.rewards)),  # this rank's; the mean over ranks is logged
-            "rollout/width": float(batch.input_ids.shape[1]),  # padded prompt + completion positions per row
-            "reward/mean": batch.rewards.mean().item(),
-            "reward/std": batch.rewards.std(unbiased=False).item(),
-            "reward/frac_zero_std": frac_zero_std(batch.rewards, self.rollout_cfg.group_size).item(),
-            "reward/errors": float(self.reward_errors),
-            "completion/len_mean": lengths.mean().item(),
-            "completion/truncated_frac": batch.truncated.float().mean().item(),
-        }
 
     def evaluate(self) -> float:
         """Greedy held-out accuracy; each rank scores its share of the fixed evaluation set."""
