@@ -6,9 +6,10 @@ train.minibatches optimizer steps) and their ratio.
 from a random tiny Qwen3-MoE with the character tokenizer. `--workload bench_paper`: small_moe (8 layers x 32
 experts top-4), the task_bpe tokenizer, reasoning-gym word_sorting prompts of about 115 tokens, 16 x 8
 completions of 44 tokens. Both sides start from the same randomly initialised model, tokenizer and prompts,
-GSPO (sequence-level importance sampling, the workload's clip range, beta 0), on CPU. Both are timed the same way: wall-clock intervals
-between the ends of consecutive RL steps, after `--warmup` steps. gspo-lab additionally runs its routing
-diagnostics forward every step (TRL has none), so the comparison is not tilted in its favour.
+GSPO (sequence-level importance sampling, the workload's clip range, beta 0), on CPU. Both are timed the same
+way: wall-clock intervals between the ends of consecutive RL steps, after `--warmup` steps. gspo-lab
+additionally runs its routing diagnostics and mismatch forwards every step (TRL has none), so the comparison is
+not tilted in its favour.
 
 TRL runs twice per round: with transformers' default MoE expert kernel (`grouped_mm`, what a TRL user gets)
 and with gspo-lab's own (`index_add`, gspo_lab.models.experts), so the ratio is reported both with and
@@ -16,7 +17,7 @@ without that kernel's share. Extra arguments are Hydra overrides for the gspo-la
 Needs the `bench` extra: pip install -e ".[bench]".
 
     python scripts/bench_vs_trl.py --steps 8 --rounds 3
-    python scripts/bench_vs_trl.py --workload bench_paper --steps 6 --rounds 3
+    python scripts/bench_vs_trl.py --workload bench_paper --steps 8 --rounds 3
     python scripts/bench_vs_trl.py rollout.logprobs_from_generation=false   # gspo-lab with a second forward
 """
 

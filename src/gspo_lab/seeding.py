@@ -1,5 +1,6 @@
 """Seeds of the run's random streams: each stream (the cold start's demonstrations, the RL prompts, the RL
-sampling, the LoRA adapters' initialisation) derives its own seed from (run seed, stream name, step), so no two streams draw the same values.
+sampling, the LoRA adapters' initialisation) derives its own seed from (run seed, stream name, step), so no two
+streams draw the same values.
 
 >>> stream_seed(0, "rl_prompts", 3) == stream_seed(0, "rl_prompts", 3)
 True

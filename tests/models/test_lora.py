@@ -148,7 +148,8 @@ def test_resuming_with_other_adapters_or_another_base_is_refused(compose, rl_ove
         train(compose(rl_overrides + LORA + ["model.lora.rank=8", "train.steps=3", last,
                                              f"paths.output_dir={tmp_path / 'rank8'}"]))
     with pytest.raises(ValueError, match=r"trained on another base model"):
-        train(compose(rl_overrides + LORA + ["seed=1", "train.steps=3", last, f"paths.output_dir={tmp_path / 'seed1'}"]))
+        train(compose(rl_overrides + LORA + ["seed=1", "train.steps=3", last,
+                                             f"paths.output_dir={tmp_path / 'seed1'}"]))
 
 
 def read_rows(run_dir):
