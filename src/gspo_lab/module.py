@@ -38,6 +38,7 @@ from gspo_lab.objectives.base import masked_mean
 from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, token_logprobs
 from gspo_lab.rollout.collection import RolloutCollection
 from gspo_lab.rollout.engine import RolloutEngine
+from gspo_lab.rollout.logprobs import distinct_prompts
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
 from gspo_lab.sharding import is_sharded, shard
@@ -223,7 +224,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         """Objective and gradient of one mini-batch; (None, None) on every rank when any rank's loss is
         non-finite. Backward runs inside the replay context, so recomputed forwards replay too."""
         with self.routing.training(minibatch):
-            logp, entropy = self.logprobs(minibatch, share_prompts=not self.routing.replays_in_training)
+            logp, entropy = self.logprobs(minibatch, share_prompts=self.replay_allows_sharing(minibatch))
             try:
                 out = self.objective(logp, minibatch.old_logp, minibatch.advantages, minibatch.loss_mask,
                                      ref_logp=minibatch.ref_logp, rollout_logp=minibatch.rollout_logp)
@@ -244,6 +245,18 @@ class RLModule(RolloutCollection, L.LightningModule):
             self.model if model is None else model, batch.input_ids, batch.attention_mask, batch.completion_len,
             self.rollout_cfg.temperature, self.train_cfg.logprob_chunk_rows, share_prompts=share,
         )
+
+    def replay_allows_sharing(self, minibatch: RolloutBatch) -> bool:
+        """Whether a training forward may run each distinct prompt once: always without replay; under replay when
+        the rows of each prompt replay the same experts on its columns (so do traces that shared forwards and
+        prefills recorded, the defaults), for a shared prompt can only replay one row's experts."""
+        if not self.routing.replays_in_training:
+            return True
+        _, inverse, first = distinct_prompts(minibatch.input_ids, minibatch.attention_mask, minibatch.completion_len)
+        prompt, same = slice(0, minibatch.input_ids.shape[1] - minibatch.completion_len), first[inverse].cpu()
+        trace = minibatch.routing_trace
+        return (torch.equal(trace.indices[:, :, prompt], trace.indices[:, same, prompt])
+                and torch.equal(trace.recorded[:, prompt], trace.recorded[same, prompt]))
 
     def shared_logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """`logprobs` of the policy with each prompt run once, for forwards that only record routing."""

@@ -3,10 +3,12 @@ gspo_lab.rollout.logprobs.shared_prompt_hidden) must give the log-probs and grad
 supported architecture, run the decoder on the distinct prompts only, and fall back to the full forward where the
 cache is not keys and values or blocks are checkpointed. The shared prefill of generation
 (rollout.share_prompt_prefill; gspo_lab.rollout.generation.prefill_distinct_prompts) must decode the same tokens
-with the same log-probs and record the same experts for every row."""
+with the same log-probs and record the same experts for every row. Under routing replay a shared forward gives
+each prompt its first row's recorded experts, which the module allows only where a prompt's rows agree."""
 
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,8 +18,9 @@ from omegaconf import OmegaConf
 from gspo_lab import CONFIG_DIR
 from gspo_lab.decoder import decoder_of
 from gspo_lab.models.builders import checkpoint_blocks
-from gspo_lab.rollout import generate, token_logprobs
-from gspo_lab.routing import record_routing
+from gspo_lab.module import RLModule
+from gspo_lab.rollout import RolloutBatch, generate, token_logprobs
+from gspo_lab.routing import RoutingTrace, record_routing, replay_routing
 from gspo_lab.routing.adapters import find_routers
 
 FAMILIES = ["tiny_moe", "tiny_dense", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe", "tiny_deepseek_v3",
@@ -124,3 +127,42 @@ def test_a_shared_forward_records_every_rows_experts(name):
         traces.append(trace)
     assert traces[1].indices.shape == traces[0].indices.shape == (2, 12, ids.shape[1], traces[0].indices.shape[-1])
     assert torch.equal(traces[1].indices, traces[0].indices)  # r2 replays such a trace in unshared forwards
+
+
+@pytest.mark.parametrize("name", ["tiny_moe", "tiny_deepseek_v3", "tiny_llama4"])
+def test_a_shared_forward_under_replay_uses_every_rows_recorded_experts(name):
+    model, ids, mask, C, _ = rollout(name)
+    with torch.no_grad(), record_routing(model) as old:  # a shared forward: a prompt's rows record alike
+        token_logprobs(model, ids, mask, C, share_prompts=True)
+    with torch.no_grad():
+        for _, router, _ in find_routers(model, "test"):
+            router.weight.add_(torch.randn_like(router.weight))  # a large update: routing must change
+    results = {}
+    for share in (False, True):
+        model.zero_grad()
+        with replay_routing(model, old, mask) as stats, record_routing(model) as used:
+            logp, _ = token_logprobs(model, ids, mask, C, share_prompts=share)
+            logp.sum().backward()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+        results[share] = logp.detach(), grads, used, stats
+    (full, full_grads, _, _), (shared, shared_grads, used, stats) = results[False], results[True]
+    assert torch.equal(used.indices, old.indices)  # every row's layers used the recorded experts
+    assert stats.override_frac > 0.1
+    completion = mask[:, -C:].bool()
+    assert (shared - full)[completion].abs().max() < 2e-6
+    for a, b in zip(full_grads, shared_grads):
+        assert (a - b).abs().max() <= 1e-5 * (1 + a.abs().max())
+
+
+def test_replay_allows_sharing_only_where_a_prompts_rows_agree():
+    ids = torch.tensor([[5, 6, 1, 1], [5, 6, 2, 2], [7, 8, 3, 3]])  # rows 0 and 1 share a prompt of P = 2
+    trace = RoutingTrace(torch.zeros(1, 3, 4, 2, dtype=torch.uint8), torch.ones(3, 4, dtype=torch.bool), 2)
+    batch = RolloutBatch(ids, torch.ones_like(ids), torch.ones(3, 2), torch.zeros(3, 2), torch.zeros(3),
+                         torch.zeros(3), torch.zeros(3, dtype=torch.bool), routing_trace=trace)
+    module = SimpleNamespace(routing=SimpleNamespace(replays_in_training=True))
+    assert RLModule.replay_allows_sharing(module, batch)
+    trace.indices[0, 1, 3] = 5  # a completion column may differ
+    assert RLModule.replay_allows_sharing(module, batch)
+    trace.indices[0, 1, 0] = 5  # a prompt column may not: that prompt would replay row 0's experts for row 1
+    assert not RLModule.replay_allows_sharing(module, batch)
+    assert RLModule.replay_allows_sharing(SimpleNamespace(routing=SimpleNamespace(replays_in_training=False)), batch)

@@ -54,7 +54,8 @@ class RolloutCollection:
         started = time.perf_counter()
         if batch.old_logp is None:
             with torch.no_grad(), self.routing.old_policy(batch) as trace:  # r3 replays here, off and r2 record
-                batch.old_logp, _ = self.logprobs(batch, share_prompts=self.routing.mode != "r3")
+                share = self.routing.mode != "r3" or self.replay_allows_sharing(batch)
+                batch.old_logp, _ = self.logprobs(batch, share_prompts=share)
             batch.routing_trace = trace
         metrics["time/old_logprobs_s"] = time.perf_counter() - started
         if self.kl_penalty:

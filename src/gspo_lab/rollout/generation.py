@@ -16,7 +16,7 @@ from torch import Tensor
 from transformers import Cache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo_lab.decoder import decoder_of
-from gspo_lab.routing.hooks import distinct_prompt_rows
+from gspo_lab.routing.hooks import CallView, call_view
 from gspo_lab.sharding import is_sharded
 
 
@@ -124,7 +124,7 @@ def prefill_distinct_prompts(model: PreTrainedModel, input_ids: Tensor, attentio
     """The KV cache of every prompt but its last token, computed once per distinct prompt and gathered to the
     N rows, for `generate` to continue from (it then runs only the last prompt token and the new ones): a
     group's prompt is prefilled once instead of group_size times. The same function to float rounding (tested).
-    A routing recorder stores the call's experts for all N rows (gspo_lab.routing.hooks.distinct_prompt_rows).
+    A routing recorder stores the call's experts for all N rows (gspo_lab.routing.hooks.CallView).
     None when nothing repeats or a distinct prompt has a single token."""
     prompts = torch.cat([input_ids, attention_mask], 1)  # [N, 2P]
     distinct, inverse = torch.unique(prompts, dim=0, return_inverse=True)  # [U, 2P], [N]
@@ -132,7 +132,7 @@ def prefill_distinct_prompts(model: PreTrainedModel, input_ids: Tensor, attentio
     mask = distinct[:, prompt_len:-1]  # [U, P - 1]: all but the last prompt position (never padding)
     if len(distinct) == len(prompts) or not bool((mask.sum(-1) > 0).all()):
         return None
-    with distinct_prompt_rows(inverse):
+    with call_view(CallView(slice(0, prompt_len - 1), expand=inverse)):
         cache = decoder_of(model)(input_ids=distinct[:, : prompt_len - 1], attention_mask=mask,
                                   position_ids=position_ids(mask), use_cache=True).past_key_values
     cache.reorder_cache(inverse)  # every cache layer: rows u -> rows n

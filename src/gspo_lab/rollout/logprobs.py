@@ -25,7 +25,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 
 from gspo_lab.decoder import decoder_of
 from gspo_lab.rollout.generation import position_ids
-from gspo_lab.routing.hooks import distinct_prompt_rows
+from gspo_lab.routing.hooks import CallView, call_view
 
 # model_type -> (config attribute, op): its ForCausalLM.forward returns logits = op(lm_head(h), config.<attribute>)
 # (transformers' models/<model_type>/modeling_<model_type>.py)
@@ -89,6 +89,22 @@ def kv_cache(decoder: torch.nn.Module) -> DynamicCache | None:
     return cache if all(type(layer) in KV_LAYERS for layer in cache.layers) else None
 
 
+def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, completion_len: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The U distinct (prompt, prompt mask) rows of a [B, P + C] batch [U, 2P], the distinct row of each batch
+    row [B], and the first batch row of each distinct prompt [U].
+
+    >>> ids = torch.tensor([[5, 6, 1], [7, 8, 2], [5, 6, 3]]); _, inverse, first = distinct_prompts(ids, ids > 0, 1)
+    >>> inverse.tolist(), first.tolist()
+    ([0, 1, 0], [0, 1])
+    """
+    prompt_len = input_ids.shape[1] - completion_len
+    prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], 1)
+    distinct, inverse = torch.unique(prompts, dim=0, return_inverse=True)  # [U, 2P], [B]
+    rows = torch.arange(len(inverse), device=inverse.device)
+    first = torch.full((len(distinct),), len(inverse), device=inverse.device).scatter_reduce(0, inverse, rows, "amin")
+    return distinct, inverse, first
+
+
 def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
                          completion_len: int) -> Tensor | None:
     """The decoder's hidden states at the positions that predict the completion tokens, [B, C, H], computed
@@ -99,8 +115,7 @@ def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: Tensor, attention_
     the decoder's work. None (the caller runs the full forward) when that saves less than MIN_TOKEN_SAVING of
     the tokens, or the architecture's cache is not plain keys and values (`kv_cache`)."""
     rows, prompt_len = input_ids.shape[0], input_ids.shape[1] - completion_len
-    prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len]], 1)  # [B, 2P]
-    distinct, inverse = torch.unique(prompts, dim=0, return_inverse=True)  # [U, 2P], [B]
+    distinct, inverse, first = distinct_prompts(input_ids, attention_mask, completion_len)
     shared_tokens = len(distinct) * prompt_len + rows * completion_len
     if shared_tokens > (1 - MIN_TOKEN_SAVING) * rows * (prompt_len + completion_len):
         return None
@@ -108,14 +123,16 @@ def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: Tensor, attention_
     if cache is None:
         return None
     prompt_ids, prompt_mask = distinct[:, :prompt_len], distinct[:, prompt_len:]
-    with distinct_prompt_rows(inverse):  # a routing recorder stores this call's experts for all B rows
+    # a recorder stores this call's experts for all B rows; replay gives each prompt its first row's experts
+    with call_view(CallView(slice(0, prompt_len), rows=first, expand=inverse)):
         prefix = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
                          past_key_values=cache, use_cache=True)  # [U, P, H]; the prompts' keys and values in cache
     cache.reorder_cache(inverse)  # every cache layer: rows u -> rows b (index_select)
-    completions = decoder(
-        input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask)[:, prompt_len:], past_key_values=cache, use_cache=True,
-    ).last_hidden_state  # [B, C, H]
+    with call_view(CallView(slice(prompt_len, None))):
+        completions = decoder(
+            input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask)[:, prompt_len:], past_key_values=cache, use_cache=True,
+        ).last_hidden_state  # [B, C, H]
     last_prompt = prefix.last_hidden_state[inverse, -1:]  # [B, 1, H]: predicts the first completion token
     return torch.cat([last_prompt, completions[:, :-1]], 1)  # [B, C, H]
 
@@ -134,9 +151,9 @@ def token_logprobs(
 
     input_ids, attention_mask: [B, P + C]; returns two [B, C] tensors (log-probs carry the gradient when
     grad is enabled; entropy is detached). `share_prompts`: run each distinct prompt once
-    (`shared_prompt_hidden`); routing recorders see every row, but not under routing replay (its hooks expect
-    one [B, P + C] forward); ignored for a model with activation checkpointing (a block recomputed with a KV
-    cache would append to it twice).
+    (`shared_prompt_hidden`); routing recorders still get every row's experts, and replay gives each prompt the
+    experts of its first row (the caller checks that its rows agree); ignored for a model with activation
+    checkpointing (a block recomputed with a KV cache would append to it twice).
     """
     decoder = decoder_of(model)
     head = model.get_output_embeddings()

@@ -24,20 +24,33 @@ from gspo_lab.routing.adapters import find_routers
 from gspo_lab.routing.trace import RoutingTrace, compact_dtype
 
 
-# set while a decoder call runs on distinct prompts whose keys and values are then gathered to the batch's rows
-# (gspo_lab.rollout.generation.prefill_distinct_prompts): row b of the batch is row _PREFIX_ROWS[b] of that call
-_PREFIX_ROWS: ContextVar[Tensor | None] = ContextVar("prefix_rows", default=None)
+@dataclass(frozen=True)
+class CallView:
+    """Which part of a [B, L] batch one decoder call covers, when prompts are computed once per group
+    (gspo_lab.rollout.logprobs.shared_prompt_hidden, gspo_lab.rollout.generation.prefill_distinct_prompts).
+
+    columns: the batch columns the call covers.
+    rows: [U] the batch row each call row stands for (replay reads those rows of its trace); None: every row.
+    expand: [B] the call row of each batch row (a recorder stores the call's experts for every batch row, so its
+        trace stays [B, L]); None: the call's rows are the batch's.
+    """
+
+    columns: slice
+    rows: Tensor | None = None
+    expand: Tensor | None = None
+
+
+_CALL_VIEW: ContextVar[CallView | None] = ContextVar("call_view", default=None)
 
 
 @contextmanager
-def distinct_prompt_rows(inverse: Tensor) -> Iterator[None]:
-    """Around a decoder call over distinct prompts that stand for the batch's rows `inverse` [B] (an index into
-    the call's rows): a recorder stores that call's experts for every batch row, so its trace stays [B, L]."""
-    token = _PREFIX_ROWS.set(inverse)
+def call_view(view: CallView) -> Iterator[None]:
+    """Around a decoder call that covers `view` of the batch rather than all of it."""
+    token = _CALL_VIEW.set(view)
     try:
         yield
     finally:
-        _PREFIX_ROWS.reset(token)
+        _CALL_VIEW.reset(token)
 
 
 def _batch_shape(args, kwargs) -> tuple[int, int]:
@@ -79,8 +92,9 @@ class _Recorder:
         _, indices = adapter.choice(router, output)
         rows, length = shape
         indices = indices.detach().to("cpu", compact_dtype(router.num_experts)).reshape(rows, length, -1)
-        prefix_rows = _PREFIX_ROWS.get()
-        self.calls[layer].append(indices if prefix_rows is None else indices[prefix_rows.cpu()])  # [B, length, k]
+        view = _CALL_VIEW.get()
+        expand = None if view is None else view.expand
+        self.calls[layer].append(indices if expand is None else indices[expand.cpu()])  # [B, length, k]
 
     def trace(self, prompt_len: int | None) -> RoutingTrace:
         if not self.calls[0]:
@@ -120,11 +134,15 @@ def replay_routing(model: torch.nn.Module, trace: RoutingTrace, valid: Tensor | 
     gate weights are recomputed from the live logits at those experts. `valid` [B, L] limits the override
     statistics to real tokens. Every forward inside must cover the trace's [B, L] tokens."""
     stats = ReplayStats()
-    valid_flat = valid.reshape(-1).cpu().bool() if valid is not None else None
+    valid = valid.cpu().bool() if valid is not None else None
 
     def replay(layer, router, adapter, hidden, output, shape):
         _, natural = adapter.choice(router, output)
-        recorded_idx, recorded = trace.layer(layer, *shape)  # [N, k], [N] on CPU
+        view = _CALL_VIEW.get()  # a call over distinct prompts, or over the completion columns only
+        seen, mask = (trace, valid) if view is None else (trace.view(view.rows, view.columns),
+                                                          None if valid is None else _viewed(valid, view))
+        recorded_idx, recorded = seen.layer(layer, *shape)  # [N, k], [N] on CPU
+        valid_flat = None if mask is None else mask.reshape(-1)
         recorded_idx = recorded_idx.to(natural.device, natural.dtype)
         use = recorded.to(natural.device)[:, None]
         indices = torch.where(use, recorded_idx, natural)  # [N, k]
@@ -137,3 +155,9 @@ def replay_routing(model: torch.nn.Module, trace: RoutingTrace, valid: Tensor | 
 
     with router_hooks(model, replay, "replay_routing"):
         yield stats
+
+
+def _viewed(valid: Tensor, view: CallView) -> Tensor:
+    """valid [B, L] restricted to the rows and columns a call covers."""
+    rows = valid if view.rows is None else valid[view.rows.cpu()]
+    return rows[:, view.columns]

@@ -33,6 +33,12 @@ class RoutingTrace:
         index = index.cpu()
         return RoutingTrace(self.indices[:, index], self.recorded[index], self.prompt_len)
 
+    def view(self, rows: Tensor | None, columns: slice) -> RoutingTrace:
+        """The trace of batch rows `rows` (None: all) and `columns`, for a decoder call that covers only them."""
+        indices = self.indices if rows is None else self.indices[:, rows.cpu()]
+        recorded = self.recorded if rows is None else self.recorded[rows.cpu()]
+        return RoutingTrace(indices[:, :, columns], recorded[:, columns], None)
+
     def extend_to(self, length: int) -> RoutingTrace:
         """The same trace over `length` columns; the added columns are marked not recorded."""
         missing = length - self.indices.shape[2]
