@@ -129,7 +129,8 @@ class TrainConfig:
         logprob_chunk_rows: rows per chunk of the log-prob computation (bounds its memory).
         share_prompt_forward: training and reference forwards run each distinct prompt once and its group's
             completions on its keys and values (gspo_lab.rollout.logprobs.shared_prompt_hidden): the same
-            maths to float rounding, less work; not under routing replay, FSDP or activation checkpointing.
+            maths to float rounding, less work; under routing replay only where a prompt's rows recorded the same
+            experts; not under FSDP or activation checkpointing.
         max_consecutive_skips: stop the run after this many updates in a row skipped for NaN/Inf.
         on_reward_error: "zero" scores a completion whose reward function raised 0 (reported and counted
             in reward/errors); "raise" stops the run.
