@@ -12,8 +12,8 @@ One RL step is one `training_step`:
 5. metrics reduced across ranks and written once, with `step` = the RL step.
 Steps 1-3 are the rollout half (gspo_lab.rollout.collection.RolloutCollection, mixed in); this file holds the
 Lightning plumbing and the updates. The algorithm only chooses the objective (and the routing replay mode).
-Randomness is re-seeded from (seed, step, rank) at the start of every step, so a run resumed from a checkpoint, or another algorithm on
-the same seed, draws the same prompts and (while the weights agree) the same samples.
+Randomness is re-seeded from (seed, step, rank) at the start of every step, so a run resumed from a checkpoint,
+or another algorithm on the same seed, draws the same prompts and (while the weights agree) the same samples.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The decoder runs once over the batch (with `share_prompts`, once over each distinct prompt and then over every
 row's completion tokens, attending to its prompt's keys and values: the same maths, computed once per group
 instead of once per row; `shared_prompt_hidden`); the LM head, the architecture's own post-processing of the
-head's output (`head_transform`: a logit scale, Gemma-style soft-capping), the temperature and the log-softmax then run on row
-chunks of the completion positions only. In training each chunk is activation-checkpointed, so its [rows, C, V]
+head's output (`head_transform`: a logit scale, Gemma-style soft-capping), the temperature and the log-softmax
+then run on row chunks of the completion positions only. In training each chunk is activation-checkpointed, so its [rows, C, V]
 logits are recomputed in the backward pass instead of kept: peak memory is one chunk's logits. Each row's
 log-softmax is the same `log_softmax` a full [B, T, V] computation (or generation) runs, so the values are
 identical to it, bit for bit (tested), not merely close. `check_logprobs_match` refuses, when a model loads, an

@@ -1,7 +1,9 @@
 """record_routing and replay_routing: context managers that hook every router instance of one model.
 
 The hooks live on the model's own router modules for the duration of the context and are removed on exit;
-nothing is stored on classes or in globals, so two models (or two runs in one process) never interfere.
+nothing is stored on classes or in globals, so two models (or two runs in one process) never interfere. The one
+piece of shared state is a context variable set around a single decoder call (`call_view`): when prompts are
+computed once per group, it tells recorders and replay which rows and columns of the batch that call covers.
 
     with record_routing(model) as trace:          # any forward or generate call
         model.generate(**batch)
