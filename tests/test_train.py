@@ -14,6 +14,7 @@ from hydra.utils import instantiate
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.cold_start import policy_from_config
+from gspo_lab.rollout import logprobs
 from gspo_lab.train import build, train
 
 CONTRACT_COLUMNS = [
@@ -138,13 +139,28 @@ def assert_on_policy(run_dir):
         assert float(row["clip/frac"]) == 0
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["as_configured", "every_forward_shares_prompts"])
 @pytest.mark.parametrize("overrides", [["algorithm=grpo_rr"],
                                        ["algorithm=grpo", "routing.replay=r3", "rollout.logprobs_from_generation=true"]])
-def test_replay_on_the_first_mini_batch_overrides_nothing_and_ratios_are_one(overrides, compose, rl_overrides):
+def test_replay_on_the_first_mini_batch_overrides_nothing_and_ratios_are_one(overrides, shared, compose, rl_overrides,
+                                                                             monkeypatch):
     """The first mini-batch runs the weights that recorded the experts (the old-policy forward for r2,
-    generation for r3): replay then overrides no expert choice and every GRPO token ratio is 1."""
+    generation for r3): replay then overrides no expert choice and every GRPO token ratio is 1; also when every
+    forward runs each prompt once (these batches are below the token floor that normally prevents it)."""
+    shared_calls = []
+    if shared:
+        monkeypatch.setattr(logprobs, "MIN_SAVED_TOKENS", 0)
+        real = logprobs.shared_prompt_hidden
+
+        def counted(*args):
+            hidden = real(*args)
+            shared_calls.append(hidden is not None)
+            return hidden
+
+        monkeypatch.setattr(logprobs, "shared_prompt_hidden", counted)
     run, module, _ = build(compose(rl_overrides + overrides + ["train.minibatches=1", "train.steps=1"]))
     run.trainer.fit(module)
+    assert all(shared_calls) and len(shared_calls) >= 2 * shared  # the replayed update's forward among them
     first = module.history[0]
     assert first["routing/override_frac"] == 0
     assert abs(first["ratio/max"] - 1) < 1e-5 and abs(first["ratio/min"] - 1) < 1e-5 and first["clip/frac"] == 0

@@ -19,7 +19,7 @@ from gspo_lab import CONFIG_DIR
 from gspo_lab.decoder import decoder_of
 from gspo_lab.models.builders import checkpoint_blocks
 from gspo_lab.module import RLModule
-from gspo_lab.rollout import RolloutBatch, generate, token_logprobs
+from gspo_lab.rollout import RolloutBatch, generate, logprobs, token_logprobs
 from gspo_lab.routing import RoutingTrace, record_routing, replay_routing
 from gspo_lab.routing.adapters import find_routers
 
@@ -29,6 +29,12 @@ FAMILIES = ["tiny_moe", "tiny_dense", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_
 LINEAR_ATTENTION = ["tiny_qwen3_next", "tiny_qwen3_5_moe"]  # their cache holds recurrent state: no sharing
 # 4 prompts of different lengths (left padding), 3 completions each, the rows not grouped (as in a mini-batch)
 PROMPTS = [p for _ in range(3) for p in ["123+456=", "1+2=", "77+8=", "500+500="]]
+
+
+@pytest.fixture(autouse=True)
+def share_small_batches(monkeypatch):
+    """These batches are tiny: let them share whatever the token count saved (the share of tokens still counts)."""
+    monkeypatch.setattr(logprobs, "MIN_SAVED_TOKENS", 0)
 
 
 def load(name: str):
@@ -83,12 +89,16 @@ def test_a_linear_attention_cache_falls_back_to_the_full_forward(name):
     assert torch.equal(shared, full)
 
 
-def test_checkpointed_blocks_and_small_savings_use_the_full_forward():
+def test_checkpointed_blocks_and_small_savings_use_the_full_forward(monkeypatch):
     model, ids, mask, C, _ = rollout("tiny_moe")
     # rows 0 and 4 share a prompt, 1 and 2 do not: sharing would save P of 4 (P + C) tokens, under a quarter
     rows = torch.tensor([0, 4, 1, 2])
     _, _, calls = logprobs_and_grads(model, ids[rows], mask[rows], C, share=True)
     assert calls == [(4, ids.shape[1])]
+    P = ids.shape[1] - C
+    monkeypatch.setattr(logprobs, "MIN_SAVED_TOKENS", 8 * P + 1)  # the whole batch saves 8 P tokens: too few
+    _, _, calls = logprobs_and_grads(model, ids, mask, C, share=True)
+    assert calls == [tuple(ids.shape)]
     checkpoint_blocks(model)
     _, _, calls = logprobs_and_grads(model, ids, mask, C, share=True)
     assert calls == [tuple(ids.shape)]

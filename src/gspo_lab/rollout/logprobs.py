@@ -74,9 +74,12 @@ def is_checkpointed(model: torch.nn.Module) -> bool:
 
 
 KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # cache layers holding keys and values only
-# the shared forward runs two decoder calls and gathers a cache: below this saving of decoder tokens it is slower
-# (docs/benchmarks.md: +0.035 s per anchor step at a 13% saving, -0.9 s per bench_paper step at about 42%)
+# the shared forward runs two decoder calls and gathers a cache, which costs more than it saves unless it saves at
+# least this share of the decoder's tokens and this many tokens (docs/benchmarks.md: the anchor's mini-batches,
+# 13% and ~180 tokens saved, and the default experiment's, ~31% and ~180, ran slower; bench_paper's, ~42% and
+# ~2,300, 32% faster)
 MIN_TOKEN_SAVING = 0.25
+MIN_SAVED_TOKENS = 1024
 
 
 def kv_cache(decoder: torch.nn.Module) -> DynamicCache | None:
@@ -113,11 +116,13 @@ def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: Tensor, attention_
     forward runs the completion columns only, attending to them as incremental decoding does. The same
     function as one forward over [B, P + C], to float rounding (tested), in about (U P + B C) / (B (P + C)) of
     the decoder's work. None (the caller runs the full forward) when that saves less than MIN_TOKEN_SAVING of
-    the tokens, or the architecture's cache is not plain keys and values (`kv_cache`)."""
+    the tokens or fewer than MIN_SAVED_TOKENS, or the architecture's cache is not plain keys and values
+    (`kv_cache`)."""
     rows, prompt_len = input_ids.shape[0], input_ids.shape[1] - completion_len
     distinct, inverse, first = distinct_prompts(input_ids, attention_mask, completion_len)
-    shared_tokens = len(distinct) * prompt_len + rows * completion_len
-    if shared_tokens > (1 - MIN_TOKEN_SAVING) * rows * (prompt_len + completion_len):
+    all_tokens = rows * (prompt_len + completion_len)
+    saved = all_tokens - (len(distinct) * prompt_len + rows * completion_len)
+    if saved < MIN_TOKEN_SAVING * all_tokens or saved < MIN_SAVED_TOKENS:
         return None
     cache = kv_cache(decoder)
     if cache is None:
