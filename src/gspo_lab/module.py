@@ -38,7 +38,7 @@ from gspo_lab.objectives.base import masked_mean
 from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, token_logprobs
 from gspo_lab.rollout.collection import RolloutCollection
 from gspo_lab.rollout.engine import RolloutEngine
-from gspo_lab.rollout.logprobs import distinct_prompts
+from gspo_lab.rollout.generation import distinct_prompts
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
 from gspo_lab.sharding import is_sharded, shard

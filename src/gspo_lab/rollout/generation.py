@@ -120,17 +120,32 @@ def only_this_generation_config(model: PreTrainedModel, generation_config: Gener
         model.generation_config = saved
 
 
+def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, completion_len: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The U distinct (prompt, prompt mask) rows of a [B, P + C] batch [U, 2P], the distinct row of each batch
+    row [B], and the first batch row of each distinct prompt [U].
+
+    >>> ids = torch.tensor([[5, 6, 1], [7, 8, 2], [5, 6, 3]]); _, inverse, first = distinct_prompts(ids, ids > 0, 1)
+    >>> inverse.tolist(), first.tolist()
+    ([0, 1, 0], [0, 1])
+    """
+    prompt_len = input_ids.shape[1] - completion_len
+    prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], 1)
+    distinct, inverse = torch.unique(prompts, dim=0, return_inverse=True)  # [U, 2P], [B]
+    rows = torch.arange(len(inverse), device=inverse.device)
+    first = torch.full((len(distinct),), len(inverse), device=inverse.device).scatter_reduce(0, inverse, rows, "amin")
+    return distinct, inverse, first
+
+
 def prefill_distinct_prompts(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Cache | None:
     """The KV cache of every prompt but its last token, computed once per distinct prompt and gathered to the
     N rows, for `generate` to continue from (it then runs only the last prompt token and the new ones): a
     group's prompt is prefilled once instead of group_size times. The same function to float rounding (tested).
     A routing recorder stores the call's experts for all N rows (gspo_lab.routing.hooks.CallView).
     None when nothing repeats or a distinct prompt has a single token."""
-    prompts = torch.cat([input_ids, attention_mask], 1)  # [N, 2P]
-    distinct, inverse = torch.unique(prompts, dim=0, return_inverse=True)  # [U, 2P], [N]
+    distinct, inverse, _ = distinct_prompts(input_ids, attention_mask, completion_len=0)  # [U, 2P], [N]
     prompt_len = input_ids.shape[1]
     mask = distinct[:, prompt_len:-1]  # [U, P - 1]: all but the last prompt position (never padding)
-    if len(distinct) == len(prompts) or not bool((mask.sum(-1) > 0).all()):
+    if len(distinct) == len(inverse) or not bool((mask.sum(-1) > 0).all()):
         return None
     with call_view(CallView(slice(0, prompt_len - 1), expand=inverse)):
         cache = decoder_of(model)(input_ids=distinct[:, : prompt_len - 1], attention_mask=mask,

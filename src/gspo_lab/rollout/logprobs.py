@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from gspo_lab.decoder import decoder_of
-from gspo_lab.rollout.generation import position_ids
+from gspo_lab.rollout.generation import distinct_prompts, position_ids
 from gspo_lab.routing.hooks import CallView, call_view
 
 # model_type -> (config attribute, op): its ForCausalLM.forward returns logits = op(lm_head(h), config.<attribute>)
@@ -90,22 +90,6 @@ def kv_cache(decoder: torch.nn.Module) -> DynamicCache | None:
         return None
     cache = DynamicCache(config=config.get_text_config())
     return cache if all(type(layer) in KV_LAYERS for layer in cache.layers) else None
-
-
-def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, completion_len: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The U distinct (prompt, prompt mask) rows of a [B, P + C] batch [U, 2P], the distinct row of each batch
-    row [B], and the first batch row of each distinct prompt [U].
-
-    >>> ids = torch.tensor([[5, 6, 1], [7, 8, 2], [5, 6, 3]]); _, inverse, first = distinct_prompts(ids, ids > 0, 1)
-    >>> inverse.tolist(), first.tolist()
-    ([0, 1, 0], [0, 1])
-    """
-    prompt_len = input_ids.shape[1] - completion_len
-    prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], 1)
-    distinct, inverse = torch.unique(prompts, dim=0, return_inverse=True)  # [U, 2P], [B]
-    rows = torch.arange(len(inverse), device=inverse.device)
-    first = torch.full((len(distinct),), len(inverse), device=inverse.device).scatter_reduce(0, inverse, rows, "amin")
-    return distinct, inverse, first
 
 
 def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
