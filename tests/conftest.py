@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
-from omegaconf import DictConfig, open_dict
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gspo_lab import CONFIG_DIR
+from gspo_lab.routing import is_moe
+from gspo_lab.routing.adapters import find_routers
 
 os.environ.setdefault("WANDB_MODE", "offline")
 
@@ -73,3 +78,23 @@ def cfg(base_cfg, tmp_path) -> DictConfig:
     with open_dict(cfg):
         cfg.paths.cache_dir = str(tmp_path / "cache")
     return cfg
+
+
+def load_family(name: str, **overrides):
+    """The model of conf/model/<name>.yaml with 2 layers, seed 0, and `overrides` (dotted keys of that file); an
+    MoE's routers get N(0, 0.5) weights, so top-k choices are well separated (random init leaves them near zero)."""
+    torch.manual_seed(0)
+    cfg = OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml")
+    cfg.config.num_hidden_layers = 2
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value)
+    model, tokenizer = instantiate(cfg).load()
+    for _, router, _ in find_routers(model, "test") if is_moe(model) else []:
+        torch.nn.init.normal_(router.weight, std=0.5)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_family():
+    """tiny_family(name, **overrides) -> a 2-layer model of one conf/model family and its tokenizer (`load_family`)."""
+    return load_family

@@ -3,15 +3,12 @@ gate-weight gradient through PEFT's wrappers, the reference as the model with ad
 gspo-train: adapters-only checkpoints that resume exactly, final/ with the merged model and the adapters."""
 
 import csv
-from pathlib import Path
 
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from peft import PeftModel
 
-from gspo_lab import CONFIG_DIR
 from gspo_lab.cold_start import policy_from_config
 from gspo_lab.models.lora import LoraSettings, apply_lora, target_parameters
 from gspo_lab.rollout import generate, token_logprobs
@@ -21,16 +18,6 @@ from gspo_lab.train import train
 
 MODELS = ["tiny_moe", "small_moe"]
 PROMPTS = ["123+456=", "1+2=", "77+8=", "500+500="]
-
-
-def load(name: str):
-    torch.manual_seed(0)
-    cfg = OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml")
-    cfg.config.num_hidden_layers = 2
-    model, tokenizer = instantiate(cfg).load()
-    for _, router, _ in find_routers(model, "test"):  # well-separated top-k choices (random init is near zero)
-        torch.nn.init.normal_(router.weight, std=0.5)
-    return model, tokenizer
 
 
 def batch(model, tokenizer):
@@ -49,8 +36,8 @@ def move_adapters(model, which: str = "lora_B", std: float = 0.5) -> None:
                 p.normal_(0, std)
 
 
-def test_targets_the_expert_weights_and_the_router_gates():
-    model, _ = load("tiny_moe")
+def test_targets_the_expert_weights_and_the_router_gates(tiny_family):
+    model, _ = tiny_family("tiny_moe")
     assert target_parameters(model, LoraSettings(experts=True)) == ["mlp.experts.down_proj",
                                                                     "mlp.experts.gate_up_proj", "mlp.gate.weight"]
     assert target_parameters(model, LoraSettings()) == ["mlp.gate.weight"]  # experts off by default
@@ -58,8 +45,8 @@ def test_targets_the_expert_weights_and_the_router_gates():
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_only_adapters_train_and_the_routers_stay_in_place(name):
-    model, _ = load(name)
+def test_only_adapters_train_and_the_routers_stay_in_place(name, tiny_family):
+    model, _ = tiny_family(name)
     total = sum(p.numel() for p in model.parameters())
     policy = apply_lora(model, LoraSettings(enabled=True, rank=4, experts=True))
     trainable = [n for n, p in policy.model.named_parameters() if p.requires_grad]
@@ -75,8 +62,8 @@ def test_only_adapters_train_and_the_routers_stay_in_place(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_the_reference_is_the_model_with_adapters_disabled(name):
-    model, tokenizer = load(name)
+def test_the_reference_is_the_model_with_adapters_disabled(name, tiny_family):
+    model, tokenizer = tiny_family(name)
     ids, mask, C = batch(model, tokenizer)
     with torch.no_grad():
         base, _ = token_logprobs(model, ids, mask, C)
@@ -91,8 +78,8 @@ def test_the_reference_is_the_model_with_adapters_disabled(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_replay_through_the_wrapper_keeps_the_recorded_experts_and_trains_the_gate(name):
-    model, tokenizer = load(name)
+def test_replay_through_the_wrapper_keeps_the_recorded_experts_and_trains_the_gate(name, tiny_family):
+    model, tokenizer = tiny_family(name)
     ids, mask, C = batch(model, tokenizer)
     policy = apply_lora(model, LoraSettings(enabled=True, rank=4))
     model = policy.model

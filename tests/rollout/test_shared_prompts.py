@@ -7,15 +7,11 @@ with the same log-probs and record the same experts for every row. Under routing
 each prompt its first row's recorded experts, which the module allows only where a prompt's rows agree."""
 
 from contextlib import nullcontext
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
-from gspo_lab import CONFIG_DIR
 from gspo_lab.decoder import decoder_of
 from gspo_lab.models.builders import checkpoint_blocks
 from gspo_lab.module import RLModule
@@ -37,18 +33,8 @@ def share_small_batches(monkeypatch):
     monkeypatch.setattr(logprobs, "MIN_SAVED_TOKENS", 0)
 
 
-def load(name: str):
-    torch.manual_seed(0)
-    cfg = OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml")
-    cfg.config.num_hidden_layers = 2
-    model, tokenizer = instantiate(cfg).load()
-    for _, router, _ in find_routers(model, "test") if name != "tiny_dense" else []:
-        torch.nn.init.normal_(router.weight, std=0.5)  # well-separated expert choices
-    return model, tokenizer
-
-
-def rollout(name: str):
-    model, tokenizer = load(name)
+def rollout(name: str, tiny_family):
+    model, tokenizer = tiny_family(name)
     out = generate(model, tokenizer, PROMPTS, 6)
     ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
     mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
@@ -68,8 +54,8 @@ def logprobs_and_grads(model, ids, mask, completion_len, share: bool):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_sharing_prompts_gives_the_full_forwards_logprobs_and_gradients(name):
-    model, ids, mask, C, completion = rollout(name)
+def test_sharing_prompts_gives_the_full_forwards_logprobs_and_gradients(name, tiny_family):
+    model, ids, mask, C, completion = rollout(name, tiny_family)
     full, full_grads, full_calls = logprobs_and_grads(model, ids, mask, C, share=False)
     shared, shared_grads, calls = logprobs_and_grads(model, ids, mask, C, share=True)
     P = ids.shape[1] - C
@@ -81,16 +67,16 @@ def test_sharing_prompts_gives_the_full_forwards_logprobs_and_gradients(name):
 
 
 @pytest.mark.parametrize("name", LINEAR_ATTENTION)
-def test_a_linear_attention_cache_falls_back_to_the_full_forward(name):
-    model, ids, mask, C, _ = rollout(name)
+def test_a_linear_attention_cache_falls_back_to_the_full_forward(name, tiny_family):
+    model, ids, mask, C, _ = rollout(name, tiny_family)
     full, _, _ = logprobs_and_grads(model, ids, mask, C, share=False)
     shared, _, calls = logprobs_and_grads(model, ids, mask, C, share=True)
     assert calls == [tuple(ids.shape)]  # one full forward, no prompt forward tried first
     assert torch.equal(shared, full)
 
 
-def test_checkpointed_blocks_and_small_savings_use_the_full_forward(monkeypatch):
-    model, ids, mask, C, _ = rollout("tiny_moe")
+def test_checkpointed_blocks_and_small_savings_use_the_full_forward(monkeypatch, tiny_family):
+    model, ids, mask, C, _ = rollout("tiny_moe", tiny_family)
     # rows 0 and 4 share a prompt, 1 and 2 do not: sharing would save P of 4 (P + C) tokens, under a quarter
     rows = torch.tensor([0, 4, 1, 2])
     _, _, calls = logprobs_and_grads(model, ids[rows], mask[rows], C, share=True)
@@ -105,8 +91,8 @@ def test_checkpointed_blocks_and_small_savings_use_the_full_forward(monkeypatch)
 
 
 @pytest.mark.parametrize("name", FAMILIES + LINEAR_ATTENTION)
-def test_prefilling_each_prompt_once_decodes_the_same_tokens_and_records_the_same_experts(name):
-    model, tokenizer = load(name)
+def test_prefilling_each_prompt_once_decodes_the_same_tokens_and_records_the_same_experts(name, tiny_family):
+    model, tokenizer = tiny_family(name)
     outputs = {}
     for share in (False, True):
         calls = []
@@ -128,8 +114,8 @@ def test_prefilling_each_prompt_once_decodes_the_same_tokens_and_records_the_sam
 
 
 @pytest.mark.parametrize("name", ["tiny_moe", "tiny_deepseek_v3", "tiny_llama4"])
-def test_a_shared_forward_records_every_rows_experts(name):
-    model, ids, mask, C, _ = rollout(name)
+def test_a_shared_forward_records_every_rows_experts(name, tiny_family):
+    model, ids, mask, C, _ = rollout(name, tiny_family)
     traces = []
     for share in (False, True):
         with torch.no_grad(), record_routing(model) as trace:
@@ -140,8 +126,8 @@ def test_a_shared_forward_records_every_rows_experts(name):
 
 
 @pytest.mark.parametrize("name", ["tiny_moe", "tiny_deepseek_v3", "tiny_llama4"])
-def test_a_shared_forward_under_replay_uses_every_rows_recorded_experts(name):
-    model, ids, mask, C, _ = rollout(name)
+def test_a_shared_forward_under_replay_uses_every_rows_recorded_experts(name, tiny_family):
+    model, ids, mask, C, _ = rollout(name, tiny_family)
     with torch.no_grad(), record_routing(model) as old:  # a shared forward: a prompt's rows record alike
         token_logprobs(model, ids, mask, C, share_prompts=True)
     with torch.no_grad():

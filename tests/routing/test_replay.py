@@ -3,15 +3,11 @@ router gradients, generate-vs-forward alignment, gradient checkpointing, left pa
 traces from an external engine (vLLM/SGLang `routed_experts`): exact column placement, a round trip through
 the engine's layout that replays bit for bit on the completion tokens, errors that name the row and the rule."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
-from gspo_lab import CONFIG_DIR
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import generate, token_logprobs
 from gspo_lab.rollout.engine import noisy_routers
@@ -23,19 +19,6 @@ MOE_MODELS = ["tiny_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe", "tiny_
               "tiny_glm4_moe", "tiny_qwen3_next", "tiny_qwen3_5_moe", "tiny_llama4", "tiny_minimax_m2",
               "tiny_ernie4_5_moe", "tiny_dots1", "tiny_solar_open", "tiny_exaone_moe"]
 PROMPTS = ["123+456=", "1+2=", "77+8=", "500+500="]  # different lengths: left padding
-
-
-def load(name: str, **overrides):
-    torch.manual_seed(0)
-    cfg = OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml")
-    cfg.config.num_hidden_layers = 2
-    for key, value in overrides.items():
-        OmegaConf.update(cfg, key, value)
-    model, tokenizer = instantiate(cfg).load()
-    # spread the router logits so top-k choices are well separated (random init leaves them near zero)
-    for _, router, _ in find_routers(model, "test"):
-        torch.nn.init.normal_(router.weight, std=0.5)
-    return model, tokenizer
 
 
 def rollout(model, tokenizer, n_new=6):
@@ -66,8 +49,8 @@ def perturb_routers(model):
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
-def test_replay_with_unchanged_weights_is_exact(name):
-    model, tok = load(name)
+def test_replay_with_unchanged_weights_is_exact(name, tiny_family):
+    model, tok = tiny_family(name)
     ids, mask, C, _ = rollout(model, tok)
     with torch.no_grad(), record_routing(model) as trace:
         natural, _ = token_logprobs(model, ids, mask, C)
@@ -80,8 +63,8 @@ def test_replay_with_unchanged_weights_is_exact(name):
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
-def test_after_a_weight_change_replay_keeps_the_recorded_experts(name):
-    model, tok = load(name)
+def test_after_a_weight_change_replay_keeps_the_recorded_experts(name, tiny_family):
+    model, tok = tiny_family(name)
     ids, mask, C, _ = rollout(model, tok)
     old = record(model, ids, mask, C)
     perturb_routers(model)  # a large update: routing must change
@@ -95,8 +78,8 @@ def test_after_a_weight_change_replay_keeps_the_recorded_experts(name):
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
-def test_router_gets_gradient_under_replay(name):
-    model, tok = load(name)
+def test_router_gets_gradient_under_replay(name, tiny_family):
+    model, tok = tiny_family(name)
     ids, mask, C, _ = rollout(model, tok)
     trace = record(model, ids, mask, C)
     with replay_routing(model, trace):
@@ -107,8 +90,8 @@ def test_router_gets_gradient_under_replay(name):
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
-def test_generation_trace_lines_up_with_a_full_forward(name):
-    model, tok = load(name)
+def test_generation_trace_lines_up_with_a_full_forward(name, tiny_family):
+    model, tok = tiny_family(name)
     ids, mask, C, generation_trace = rollout(model, tok)
     # generate never feeds back its last token: the trace covers all but the last column
     assert generation_trace.indices.shape[2] == ids.shape[1] - 1
@@ -120,10 +103,10 @@ def test_generation_trace_lines_up_with_a_full_forward(name):
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
-def test_the_engines_router_noise_moves_experts_through_each_adapter(name):
+def test_the_engines_router_noise_moves_experts_through_each_adapter(name, tiny_family):
     """rollout.engine.router_noise on every family: the noisy top-k (seen by a recorder inside) differs from the
     natural choice, and the forward stays finite with the gate weights that family computes for it."""
-    model, tok = load(name)
+    model, tok = tiny_family(name)
     ids, mask, C, _ = rollout(model, tok)
     natural = record(model, ids, mask, C)
     torch.manual_seed(2)
@@ -134,10 +117,10 @@ def test_the_engines_router_noise_moves_experts_through_each_adapter(name):
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
-def test_gradient_checkpointing_recomputes_with_the_replayed_experts(name):
+def test_gradient_checkpointing_recomputes_with_the_replayed_experts(name, tiny_family):
     grads = {}
     for checkpointing in (False, True):
-        model, tok = load(name, gradient_checkpointing=checkpointing)
+        model, tok = tiny_family(name, gradient_checkpointing=checkpointing)
         ids, mask, C, _ = rollout(model, tok)
         trace = record(model, ids, mask, C)
         perturb_routers(model)  # replay now overrides many choices
@@ -155,8 +138,8 @@ def test_gradient_checkpointing_recomputes_with_the_replayed_experts(name):
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
-def test_left_padding_does_not_change_a_rows_routing(name):
-    model, tok = load(name)
+def test_left_padding_does_not_change_a_rows_routing(name, tiny_family):
+    model, tok = tiny_family(name)
     alone = tok(["1+2="], return_tensors="pt")
     padded = tok(["1+2=", "123456+654321="], return_tensors="pt", padding=True)
     with torch.no_grad(), record_routing(model) as a:
@@ -168,8 +151,8 @@ def test_left_padding_does_not_change_a_rows_routing(name):
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
-def test_trace_slices_by_rows_for_minibatches(name):
-    model, tok = load(name)
+def test_trace_slices_by_rows_for_minibatches(name, tiny_family):
+    model, tok = tiny_family(name)
     ids, mask, C, _ = rollout(model, tok)
     with torch.no_grad(), record_routing(model) as trace:
         full, _ = token_logprobs(model, ids, mask, C)
@@ -180,7 +163,7 @@ def test_trace_slices_by_rows_for_minibatches(name):
     assert trace.bytes_per_token() == 2 * top_k(model) + 1  # 2 layers x top-k uint8, plus the recorded flag
 
 
-def test_errors_name_the_model_class():
+def test_errors_name_the_model_class(tiny_family):
     dense, _ = TinyModel(arch="qwen3", config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                                               "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 32}).load()
     with pytest.raises(ValueError, match="Qwen3ForCausalLM is a dense model"):
@@ -191,7 +174,7 @@ def test_errors_name_the_model_class():
                                                  "num_local_experts": 4, "num_experts_per_tok": 2}).load()
     with pytest.raises(ValueError, match="PhimoeForCausalLM is a mixture-of-experts architecture without a routing adapter"):
         RoutingReplay(unknown, "r3")
-    model, tok = load("tiny_moe")
+    model, tok = tiny_family("tiny_moe")
     ids, mask, C, _ = rollout(model, tok)
     trace = record(model, ids, mask, C)
     with pytest.raises(ValueError, match="replay needs the same batch rows and columns"), replay_routing(model, trace):
@@ -222,8 +205,8 @@ def engine_layout(trace, mask):
     return rows
 
 
-def test_a_trace_in_the_engine_layout_replays_exactly_like_the_recorded_one():
-    model, tok = load("tiny_moe")
+def test_a_trace_in_the_engine_layout_replays_exactly_like_the_recorded_one(tiny_family):
+    model, tok = tiny_family("tiny_moe")
     torch.manual_seed(1)
     with record_routing(model) as recorded:
         out = generate(model, tok, PROMPTS, 6)
