@@ -11,6 +11,12 @@ way: wall-clock intervals between the ends of consecutive RL steps, after `--war
 additionally runs its routing diagnostics and mismatch forwards every step (TRL has none), so the comparison is
 not tilted in its favour.
 
+A third run per round times the floor of gspo-lab's step (`time_floor`): only the model's own forwards and
+backwards that any framework must run for the step with this transformers model (the prompts' prefill, one
+decode forward per new token, each mini-batch's forward+backward of the log-probs) and the optimizer steps;
+no sampling, rewards, objective, diagnostics or Lightning. No framework built on this model and these kernels
+can be faster than TRL / floor times TRL, so that ratio is printed as the ceiling.
+
 TRL runs twice per round: with transformers' default MoE expert kernel (`grouped_mm`, what a TRL user gets)
 and with gspo-lab's own (`index_add`, gspo_lab.models.experts), so the ratio is reported both with and
 without that kernel's share. Extra arguments are Hydra overrides for the gspo-lab side only.
@@ -24,6 +30,7 @@ Needs the `bench` extra: pip install -e ".[bench]".
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
@@ -33,16 +40,18 @@ import torch
 from datasets import Dataset
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from transformers import TrainerCallback
+from transformers import DynamicCache, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from gspo_lab import CONFIG_DIR
+from gspo_lab.rollout.generation import generate, position_ids, prefill_distinct_prompts
+from gspo_lab.rollout.logprobs import token_logprobs
 from gspo_lab.tasks.base import Example
 from gspo_lab.train import build
 
 
 def median_interval(stamps: list[float], warmup: int) -> float:
-    return statistics.median([b - a for a, b in zip(stamps, stamps[1:])][warmup:])
+    return statistics.median([b - a for a, b in itertools.pairwise(stamps)][warmup:])
 
 
 class LightningClock(L.Callback):
@@ -82,6 +91,55 @@ def time_gspo_lab(workload: str, steps: int, warmup: int, overrides: list[str]) 
     return median_interval(clock.stamps, warmup)
 
 
+def time_floor(workload: str, steps: int, warmup: int) -> float:
+    """Seconds per RL step of the model's forwards, backwards and optimizer steps alone (the module docstring),
+    on one generation's completions replayed every step, with the workload's levers (shared prompt prefill and
+    forward, expert kernel, log-prob chunking)."""
+    with tempfile.TemporaryDirectory() as out:
+        cfg = workload_config(workload, out, steps)
+        _, module, _ = build(cfg)
+    model, rollout, train_cfg = module.model, cfg.rollout, cfg.train
+    prompts = [e.prompt for e in module.task.examples("train", rollout.prompts_per_step, seed=0)
+               for _ in range(rollout.group_size)]
+    done = generate(model, module.tokenizer, prompts, rollout.max_new_tokens, suppress_eos=True)
+    ids = torch.cat([done.prompt_ids, done.completion_ids], 1)
+    mask = torch.cat([done.prompt_mask, done.completion_mask], 1)
+    prompt_len, new_tokens = done.prompt_ids.shape[1], done.completion_ids.shape[1]
+    positions = position_ids(mask)
+    optimizer = module.configure_optimizers()
+    model.eval()  # as RLModule keeps it
+
+    @torch.inference_mode()
+    def decode() -> None:  # the cache grows in place; logits of the last position only
+        shared = rollout.share_prompt_prefill
+        cache = prefill_distinct_prompts(model, done.prompt_ids, done.prompt_mask) if shared else None
+        cache, start = (DynamicCache(config=model.config), 0) if cache is None else (cache, prompt_len - 1)
+        for end in range(prompt_len, prompt_len + new_tokens):  # the last new token is never fed back
+            model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
+                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+            start = end
+
+    def update() -> None:
+        for rows in torch.randperm(len(ids)).chunk(train_cfg.minibatches):
+            logp, _ = token_logprobs(model, ids[rows], mask[rows], new_tokens, rollout.temperature,
+                                     train_cfg.logprob_chunk_rows, share_prompts=train_cfg.share_prompt_forward)
+            (logp * mask[rows, prompt_len:]).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    decoding, updating = [], []
+    for _ in range(steps):
+        started = time.perf_counter()
+        decode()
+        decoded = time.perf_counter()
+        update()
+        decoding.append(decoded - started)
+        updating.append(time.perf_counter() - decoded)
+    decode_s, update_s = (statistics.median(seconds[warmup + 1 :]) for seconds in (decoding, updating))  # skip as median_interval does
+    print(f"  floor: decoding {decode_s:.3f} + updates {update_s:.3f} s/step", flush=True)
+    return decode_s + update_s
+
+
 def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str) -> float:
     with tempfile.TemporaryDirectory() as out:
         cfg = workload_config(workload, out, steps, [f"model.experts_implementation={experts}"])
@@ -118,12 +176,13 @@ def main() -> None:
     parser.add_argument("--workload", default="bench_anchor", help="conf/experiment/<workload>.yaml")
     parser.add_argument("--steps", type=int, default=8, help="RL steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first step intervals not timed")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of the three runs")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the four runs")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the gspo-lab side")
     args = parser.parse_args()
-    times: dict[str, list[float]] = {"gspo-lab": [], "TRL grouped_mm": [], "TRL index_add": []}
+    times: dict[str, list[float]] = {"gspo-lab": [], "TRL grouped_mm": [], "TRL index_add": [], "floor": []}
     for round_ in range(args.rounds):
         times["gspo-lab"].append(time_gspo_lab(args.workload, args.steps, args.warmup, args.overrides))
+        times["floor"].append(time_floor(args.workload, args.steps, args.warmup))
         times["TRL grouped_mm"].append(time_trl(args.workload, args.steps, args.warmup, round_, "grouped_mm"))
         times["TRL index_add"].append(time_trl(args.workload, args.steps, args.warmup, round_, "index_add"))
         print(f"round {round_}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()) + " s/step", flush=True)
@@ -131,7 +190,8 @@ def main() -> None:
     print(f"{args.workload}: median over {args.rounds} rounds, {torch.get_num_threads()} threads: "
           + ", ".join(f"{k} {v:.3f}" for k, v in median.items()) + " s/step")
     for trl in ("TRL grouped_mm", "TRL index_add"):
-        print(f"  gspo-lab is {median[trl] / median['gspo-lab']:.2f}x faster than {trl}")
+        print(f"  gspo-lab is {median[trl] / median['gspo-lab']:.2f}x faster than {trl}; "
+              f"the floor (model and optimizer alone) would be {median[trl] / median['floor']:.2f}x")
 
 
 if __name__ == "__main__":
