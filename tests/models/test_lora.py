@@ -10,8 +10,10 @@ from hydra.utils import instantiate
 from peft import PeftModel
 
 from gspo_lab.cold_start import policy_from_config
+from gspo_lab.config import EngineConfig
 from gspo_lab.models.lora import LoraSettings, apply_lora, target_parameters
 from gspo_lab.rollout import generate, token_logprobs
+from gspo_lab.rollout.engine import RolloutEngine, fake_quantise
 from gspo_lab.routing import changed_fraction, record_routing, replay_routing
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.train import train
@@ -96,6 +98,30 @@ def test_replay_through_the_wrapper_keeps_the_recorded_experts_and_trains_the_ga
     assert stats.override_frac > 0.1
     gate_grads = [p.grad for n, p in model.named_parameters() if "gate.lora_" in n]
     assert len(gate_grads) == 4 and all(g is not None and g.abs().sum() > 0 for g in gate_grads)
+
+
+def test_an_engine_copy_follows_the_adapters_and_quantises_only_the_base(tiny_family):
+    model, tokenizer = tiny_family("tiny_moe")
+    policy = apply_lora(model, LoraSettings(enabled=True, rank=4, experts=True))
+    engine = RolloutEngine(policy.model, EngineConfig(precision="bf16", weight_bits=8))
+    move_adapters(policy.model)  # an update of the trainer's adapters, after the engine was built
+    engine.sync()
+    adapters = 0
+    for (name, theirs), mine in zip(policy.model.named_parameters(), engine.model.parameters()):
+        if ".lora_" in name:  # copied and cast, not quantised
+            adapters += 1
+            assert torch.equal(mine, theirs.to(torch.bfloat16)), name
+        elif theirs.dim() >= 2 and "embed" not in name and "norm" not in name:  # the base: cast, then quantised
+            assert torch.equal(mine, fake_quantise(theirs.to(torch.bfloat16).float(), 8).to(torch.bfloat16)), name
+    assert adapters == 2 * 2 * (4 + 3)  # A and B, 2 layers, q/k/v/o, gate_up, down and the gate
+    ids, mask, C = batch(model, tokenizer)
+    with torch.no_grad():
+        trainer, _ = token_logprobs(policy.model, ids, mask, C)
+        engine_logp, _ = token_logprobs(engine.model, ids, mask, C)
+        with policy.disabled():
+            base, _ = token_logprobs(policy.model, ids, mask, C)
+    # the engine generates from the adapted policy: within bf16 + int8 rounding of it, far from the base
+    assert (engine_logp.float() - trainer).abs().max() < 0.1 < (trainer - base).abs().max()
 
 
 def test_bad_settings_name_the_key():

@@ -58,7 +58,9 @@ class RolloutEngine:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Copy the trainer's current weights into the engine's (cast, then quantised): after every update."""
+        """Copy the trainer's current weights into the engine's (cast, then quantised): after every update.
+        LoRA adapters (model.lora) are copied and cast but never quantised: an engine serving adapters on a
+        quantised base keeps them in its activation dtype."""
         if self.copy is None:
             return
         device = next(self.trainer_model.parameters()).device
@@ -66,7 +68,8 @@ class RolloutEngine:
             self.copy.to(device)
         for (name, source), target in zip(self.trainer_model.named_parameters(), self.copy.parameters()):
             value = source.detach().to(target.dtype)
-            if self.config.weight_bits is not None and value.dim() >= 2 and "embed" not in name and "norm" not in name:
+            if self.config.weight_bits is not None and value.dim() >= 2 and not any(
+                    part in name for part in ("embed", "norm", ".lora_")):
                 value = fake_quantise(value.float(), self.config.weight_bits).to(target.dtype)
             target.copy_(value)
 
