@@ -12,14 +12,16 @@ import subprocess
 import sys
 import time
 
+import lightning as L
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lightning.pytorch.plugins import MixedPrecision
 
 from gspo_lab.module import TooManySkippedUpdates
 from gspo_lab.tasks import Arithmetic
-from gspo_lab.train import ConfigError, build, plan, resolve_checkpoint
+from gspo_lab.train import ConfigError, build, check_precision, plan, resolve_checkpoint
 
 TIMING = ("time/", "throughput/")
 
@@ -52,6 +54,16 @@ def test_bad_values_fail_before_anything_heavy_naming_key_value_and_rule(data, k
     value = data.draw(BAD_VALUES[key])
     with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r}") + ".*(must|is invalid)"):
         plan(compose([f"{key}={value}", f"paths.output_dir={tmp_path}"]))
+
+
+def test_a_grad_scaler_is_refused_naming_the_precision():
+    """float16 mixed precision on a GPU scales gradients by a GradScaler's loss scale; the plugin is built as
+    Lightning builds it there (on CPU Lightning turns 16-mixed into bf16-mixed)."""
+    scaled = L.Trainer(accelerator="cpu", logger=False,
+                       plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+    with pytest.raises(ValueError, match=r"trainer.precision='16-mixed' is invalid: its GradScaler scales"):
+        check_precision(scaled)
+    check_precision(L.Trainer(accelerator="cpu", logger=False, precision="bf16-mixed"))  # no scaler: accepted
 
 
 def run_cli(args, cwd, env=None):

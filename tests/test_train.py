@@ -5,6 +5,7 @@ import csv
 import json
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from hydra import compose as hydra_compose
@@ -275,6 +276,32 @@ def test_gradient_checkpointing_changes_no_metric(compose, rl_overrides, tmp_pat
     train(compose(dropout))
     train(compose(dropout + ["model.gradient_checkpointing=true", f"paths.output_dir={tmp_path / 'checkpointed'}"]))
     assert without_timing(read_rows(tmp_path / "run")) == without_timing(read_rows(tmp_path / "checkpointed"))
+
+
+class GradientNorms(L.Callback):
+    """The norm of the gradients each optimizer step applies (Lightning calls this hook inside the step)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(torch.nn.utils.get_total_norm(grads).item())
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_gradients_are_clipped_to_grad_clip_with_the_fused_optimizer(precision, compose, rl_overrides):
+    """Clipping by the norm the step logs; under bf16-mixed with fused AdamW too, which Lightning's own
+    clip_gradients refuses (Lightning issue #21435), so trainer=gpu crashed on its first update before."""
+    run, module, _ = build(compose(rl_overrides + [f"trainer.precision={precision}", "train.grad_clip=0.01",
+                                                   "optimizer.fused=true"]))
+    applied = GradientNorms()
+    run.trainer.callbacks.append(applied)
+    run.trainer.fit(module)
+    assert len(applied.norms) == 4  # 2 RL steps x 2 mini-batches
+    logged = [row["grad_norm"] for row in module.history if "grad_norm" in row]  # the final row: evaluation only
+    assert len(logged) == 2 and min(logged) > 0.1  # the clip binds ...
+    assert applied.norms == pytest.approx([0.01] * 4, rel=1e-4)  # ... and each step applies the clipped gradients
 
 
 def test_old_logprobs_from_generation_run_with_r3(compose, rl_overrides, tmp_path):

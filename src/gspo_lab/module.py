@@ -204,8 +204,9 @@ class RLModule(RolloutCollection, L.LightningModule):
                 skipped += self.skip_update(f"gradient norm {grad_norm.item()}")
                 continue
             self.consecutive_skips = 0
-            if self.train_cfg.grad_clip > 0:
-                self.clip_gradients(optimizer, gradient_clip_val=self.train_cfg.grad_clip, gradient_clip_algorithm="norm")
+            if self.train_cfg.grad_clip > 0:  # by the norm just computed: Lightning's clip_gradients refuses fused
+                # optimizers under any mixed precision, bf16's too (no grad scaler there; Lightning issue #21435)
+                torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.train_cfg.grad_clip, grad_norm)
             optimizer.step()
             optimizer.zero_grad()
             collected.append({

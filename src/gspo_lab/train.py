@@ -84,6 +84,7 @@ def plan(cfg: DictConfig) -> Plan:
         loggers = [instantiate(c) for c in cfg.get("logger", {}).values()]
         callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values()]
         trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+        check_precision(trainer)
         parts["train"].check_against(parts["rollout"], trainer.world_size)
         parts["routing"].check_against(parts["rollout"])
         check_rollout_correction(parts["objective"], parts["rollout"])
@@ -94,6 +95,17 @@ def plan(cfg: DictConfig) -> Plan:
     run_dir = Path(cfg.paths.output_dir)
     return Plan(run_dir, trainer, loggers, callbacks, model_source=model_source,
                 ckpt_path=resolve_checkpoint(cfg.get("ckpt_path"), run_dir), **parts)
+
+
+def check_precision(trainer: L.Trainer) -> None:
+    """The RL step checks, logs and clips the norm of the true gradients before each optimizer step; float16
+    mixed precision on a GPU (bf16-mixed needs none, and on CPU Lightning runs 16-mixed as bf16-mixed) hands it
+    gradients multiplied by a GradScaler's loss scale."""
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            f"trainer.precision={trainer.precision!r} is invalid: its GradScaler scales the gradients, and the RL "
+            "step checks and clips their true norm; use bf16-mixed or 32-true"
+        )
 
 
 def check_rollout_correction(objective, rollout) -> None:
