@@ -3,6 +3,7 @@ resume is exact, runs are deterministic and paired across algorithms."""
 
 import csv
 import json
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -302,6 +303,15 @@ def test_gradients_are_clipped_to_grad_clip_with_the_fused_optimizer(precision, 
     logged = [row["grad_norm"] for row in module.history if "grad_norm" in row]  # the final row: evaluation only
     assert len(logged) == 2 and min(logged) > 0.1  # the clip binds ...
     assert applied.norms == pytest.approx([0.01] * 4, rel=1e-4)  # ... and each step applies the clipped gradients
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_training_16_bit_weights_warns_unless_adapters_train(lora, compose, rl_overrides, caplog):
+    """bfloat16 weights lose AdamW steps below their spacing; PEFT's adapters stay float32 on a bfloat16 base."""
+    _, module, _ = build(compose(rl_overrides + ["model.dtype=bfloat16", f"model.lora.enabled={lora}"]))
+    with caplog.at_level(logging.WARNING, logger="gspo_lab.module"):
+        module.configure_optimizers()
+    assert ("the trained weights are bfloat16 (model.dtype)" in caplog.text) is not lora
 
 
 def test_old_logprobs_from_generation_run_with_r3(compose, rl_overrides, tmp_path):
