@@ -14,10 +14,12 @@ from gspo_lab.models import TinyModel
 from gspo_lab.sharding import is_sharded, shard
 
 
-def run_two_processes(overrides: list[str], strategy: list[str], run_dir) -> subprocess.CompletedProcess:
+def run_two_processes(overrides: list[str], strategy: list[str], run_dir,
+                      timeout: int = 600) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, "-m", "gspo_lab.train", *overrides, *strategy, "trainer.devices=2", f"hydra.run.dir={run_dir}"],
-        cwd=run_dir.parent, env={**os.environ, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=600,
+        cwd=run_dir.parent, env={**os.environ, "WANDB_MODE": "offline"}, capture_output=True, text=True,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -54,6 +56,20 @@ def test_fsdp_two_processes_train_the_same_policy_as_ddp(rl_overrides, tmp_path)
     assert difference < 1e-4, difference  # 6e-6 measured: two RL steps apart only by reduction order
     checkpoint = torch.load(fsdp / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["rl_step"] == 2 and checkpoint["state_dict"]
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_decode_together_when_their_completions_end_at_different_steps(rl_overrides, tmp_path):
+    """Each decode step gathers the sharded weights from every rank, so a rank whose completions have all ended
+    keeps stepping until the other's have (generate's synced_gpus): before 2026-11-22 the two ranks deadlocked
+    here in the first rollout (the subprocess timed out). Under bf16-mixed, trainer=fsdp's GPU default."""
+    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")]
+    run = tmp_path / "fsdp"
+    run_two_processes(overrides + ["rollout.max_new_tokens=16", "train.eval_every=1"],
+                      ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.precision=bf16-mixed"], run, timeout=300)
+    written = rows(run)
+    assert [r["step"] for r in written] == ["0", "1", "2"] and written[-1]["eval/accuracy"] != ""
+    assert all(float(r["completion/len_mean"]) < 16 for r in written[:2])  # completions ended before the limit
 
 
 @pytest.mark.slow

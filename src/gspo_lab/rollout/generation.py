@@ -82,7 +82,8 @@ def generate(
     also when `top_p` < 1). Decoding runs under `torch.inference_mode` (5-9%
     faster than `no_grad` at the anchor workload's size, same numbers; `no_grad` for an FSDP-sharded model,
     whose gathered parameters must stay ordinary tensors); the tensors returned are ordinary ones.
-    `share_prompts`: a prompt repeated in `prompts` (a group) is prefilled once (`prefill_distinct_prompts`)."""
+    `share_prompts`: a prompt repeated in `prompts` (a group) is prefilled once (`prefill_distinct_prompts`; not for
+    an FSDP-sharded model, whose ranks must make the same decoder calls)."""
     with torch.no_grad() if is_sharded(model) else torch.inference_mode():
         completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greedy, suppress_eos,
                               return_logprobs, share_prompts)
@@ -162,10 +163,17 @@ def _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greed
     config = sampling_config(tokenizer, max_new_tokens, temperature, top_p, greedy, suppress_eos, return_logprobs)
     was_training = model.training
     model.eval()
-    cache = prefill_distinct_prompts(model, encoded["input_ids"], encoded["attention_mask"]) if share_prompts else None
+    # FSDP: every decoder call gathers parameters from all ranks, so every rank must make the same calls: no
+    # prefill that a rank may skip, and decoding until the last rank's sequences finish (transformers turns
+    # synced_gpus on by itself only for models sharded through its own FSDP integration)
+    sharded = is_sharded(model)
+    synced = sharded and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    cache = None
+    if share_prompts and not sharded:
+        cache = prefill_distinct_prompts(model, encoded["input_ids"], encoded["attention_mask"])
     prefilled = {} if cache is None else {"past_key_values": cache}
     with only_this_generation_config(model, config):
-        output = model.generate(**encoded, generation_config=config, **prefilled)
+        output = model.generate(**encoded, generation_config=config, synced_gpus=synced, **prefilled)
     model.train(was_training)
     prompt_len = encoded["input_ids"].shape[1]
     completion_ids = output.sequences[:, prompt_len:]

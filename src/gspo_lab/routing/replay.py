@@ -59,6 +59,8 @@ class RoutingReplay:
         trace, self._generation_trace = self._generation_trace, None
         if trace is None:
             return None
+        if trace.indices.shape[2] > length:  # FSDP: decode steps run after this rank's sequences ended (synced_gpus)
+            trace = trace.view(None, slice(0, length))
         trace.prompt_len = prompt_len
         return trace.extend_to(length)
 
