@@ -6,7 +6,7 @@ train.minibatches optimizer steps) and their ratio.
 from a random tiny Qwen3-MoE with the character tokenizer. `--workload bench_paper`: small_moe (8 layers x 32
 experts top-4), the task_bpe tokenizer, reasoning-gym word_sorting prompts of about 115 tokens, 16 x 8
 completions of 44 tokens. Both sides start from the same randomly initialised model, tokenizer and prompts,
-GSPO (sequence-level importance sampling, the workload's clip range, beta 0), on CPU. Both are timed the same
+GSPO (sequence-level importance sampling, the workload's clip range, beta 0). Both are timed the same
 way: wall-clock intervals between the ends of consecutive RL steps, after `--warmup` steps. gspo-lab
 additionally runs its routing diagnostics and mismatch forwards every step (TRL has none), so the comparison is
 not tilted in its favour.
@@ -19,11 +19,14 @@ can be faster than TRL / floor times TRL, so that ratio is printed as the ceilin
 
 TRL runs twice per round: with transformers' default MoE expert kernel (`grouped_mm`, what a TRL user gets)
 and with gspo-lab's own (`index_add`, gspo_lab.models.experts), so the ratio is reported both with and
-without that kernel's share. Extra arguments are Hydra overrides for the gspo-lab side only.
+without that kernel's share. Extra arguments are Hydra overrides for the gspo-lab side; the `trainer.*` ones
+(device and precision) apply to all three runs: TRL then runs on the same device (`use_cpu`) and with bf16
+autocast under `bf16-mixed` (`bf16=True`), and the floor inside the trainer's precision context.
 Needs the `bench` extra: pip install -e ".[bench]".
 
     python scripts/bench_vs_trl.py --steps 8 --rounds 3
     python scripts/bench_vs_trl.py --workload bench_paper --steps 8 --rounds 3
+    python scripts/bench_vs_trl.py --workload bench_gpu --rounds 3 trainer=gpu   # on a GPU node
     python scripts/bench_vs_trl.py rollout.logprobs_from_generation=false   # gspo-lab with a second forward
 """
 
@@ -50,6 +53,13 @@ from gspo_lab.tasks.base import Example
 from gspo_lab.train import build
 
 
+def now() -> float:
+    """perf_counter once the GPU's queued work has finished (its kernels run asynchronously)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def median_interval(stamps: list[float], warmup: int) -> float:
     return statistics.median([b - a for a, b in itertools.pairwise(stamps)][warmup:])
 
@@ -61,7 +71,7 @@ class LightningClock(L.Callback):
         self.stamps: list[float] = []
 
     def on_train_batch_end(self, *args, **kwargs) -> None:
-        self.stamps.append(time.perf_counter())
+        self.stamps.append(now())
 
 
 class TrlClock(TrainerCallback):
@@ -73,7 +83,7 @@ class TrlClock(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.minibatches == 0:
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(now())
 
 
 def workload_config(workload: str, out: str, steps: int, overrides: list[str] = ()):
@@ -91,17 +101,18 @@ def time_gspo_lab(workload: str, steps: int, warmup: int, overrides: list[str]) 
     return median_interval(clock.stamps, warmup)
 
 
-def time_floor(workload: str, steps: int, warmup: int) -> float:
+def time_floor(workload: str, steps: int, warmup: int, trainer: list[str]) -> float:
     """Seconds per RL step of the model's forwards, backwards and optimizer steps alone (the module docstring),
     on one generation's completions replayed every step, with the workload's levers (shared prompt prefill and
     forward, expert kernel, log-prob chunking)."""
     with tempfile.TemporaryDirectory() as out:
-        cfg = workload_config(workload, out, steps)
-        _, module, _ = build(cfg)
-    model, rollout, train_cfg = module.model, cfg.rollout, cfg.train
+        cfg = workload_config(workload, out, steps, trainer)
+        run, module, _ = build(cfg)
+    model, rollout, train_cfg = module.model.to(run.trainer.strategy.root_device), cfg.rollout, cfg.train
     prompts = [e.prompt for e in module.task.examples("train", rollout.prompts_per_step, seed=0)
                for _ in range(rollout.group_size)]
-    done = generate(model, module.tokenizer, prompts, rollout.max_new_tokens, suppress_eos=True)
+    with run.trainer.precision_plugin.train_step_context():  # bf16 autocast under bf16-mixed, as in the RL step
+        done = generate(model, module.tokenizer, prompts, rollout.max_new_tokens, suppress_eos=True)
     ids = torch.cat([done.prompt_ids, done.completion_ids], 1)
     mask = torch.cat([done.prompt_mask, done.completion_mask], 1)
     prompt_len, new_tokens = done.prompt_ids.shape[1], done.completion_ids.shape[1]
@@ -129,20 +140,22 @@ def time_floor(workload: str, steps: int, warmup: int) -> float:
 
     decoding, updating = [], []
     for _ in range(steps):
-        started = time.perf_counter()
-        decode()
-        decoded = time.perf_counter()
-        update()
-        decoding.append(decoded - started)
-        updating.append(time.perf_counter() - decoded)
-    decode_s, update_s = (statistics.median(seconds[warmup + 1 :]) for seconds in (decoding, updating))  # skip as median_interval does
+        with run.trainer.precision_plugin.train_step_context():
+            started = now()
+            decode()
+            decoded = now()
+            update()
+            decoding.append(decoded - started)
+            updating.append(now() - decoded)
+    # the first warmup + 1 steps left out, as median_interval leaves out the first warmup intervals
+    decode_s, update_s = (statistics.median(seconds[warmup + 1 :]) for seconds in (decoding, updating))
     print(f"  floor: decoding {decode_s:.3f} + updates {update_s:.3f} s/step", flush=True)
     return decode_s + update_s
 
 
-def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str) -> float:
+def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str, trainer: list[str]) -> float:
     with tempfile.TemporaryDirectory() as out:
-        cfg = workload_config(workload, out, steps, [f"model.experts_implementation={experts}"])
+        cfg = workload_config(workload, out, steps, [f"model.experts_implementation={experts}", *trainer])
         prompts, group, new_tokens = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens
         minibatches = cfg.train.minibatches
         task = instantiate(cfg.task)
@@ -150,7 +163,8 @@ def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str) ->
         model, tokenizer = instantiate(cfg.model).load(task)
         examples = task.examples("train", prompts * (steps + 1), seed=seed)
         args = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=10_000,
+            output_dir=out, use_cpu=cfg.trainer.accelerator == "cpu", bf16=cfg.trainer.precision == "bf16-mixed",
+            report_to="none", save_strategy="no", logging_steps=10_000,
             seed=seed, max_steps=steps * minibatches, per_device_train_batch_size=prompts * group // minibatches,
             steps_per_generation=minibatches, num_generations=group, max_completion_length=new_tokens,
             generation_kwargs={"min_new_tokens": new_tokens}, importance_sampling_level="sequence",
@@ -179,12 +193,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the four runs")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the gspo-lab side")
     args = parser.parse_args()
+    trainer = [o for o in args.overrides if o.startswith(("trainer=", "trainer."))]  # device, precision: all runs
     times: dict[str, list[float]] = {"gspo-lab": [], "TRL grouped_mm": [], "TRL index_add": [], "floor": []}
     for round_ in range(args.rounds):
         times["gspo-lab"].append(time_gspo_lab(args.workload, args.steps, args.warmup, args.overrides))
-        times["floor"].append(time_floor(args.workload, args.steps, args.warmup))
-        times["TRL grouped_mm"].append(time_trl(args.workload, args.steps, args.warmup, round_, "grouped_mm"))
-        times["TRL index_add"].append(time_trl(args.workload, args.steps, args.warmup, round_, "index_add"))
+        times["floor"].append(time_floor(args.workload, args.steps, args.warmup, trainer))
+        for experts in ("grouped_mm", "index_add"):
+            seconds = time_trl(args.workload, args.steps, args.warmup, round_, experts, trainer)
+            times[f"TRL {experts}"].append(seconds)
         print(f"round {round_}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()) + " s/step", flush=True)
     median = {k: statistics.median(v) for k, v in times.items()}
     print(f"{args.workload}: median over {args.rounds} rounds, {torch.get_num_threads()} threads: "
