@@ -130,10 +130,10 @@ class RLModule(RolloutCollection, L.LightningModule):
         if half:
             log.warning(
                 "the trained weights are %s (model.dtype): an optimizer step smaller than half the spacing of that "
-                "format at a weight (|w| / 256 in bfloat16) leaves it unchanged, so at small learning rates most "
-                "weights never move (the anchor model in bfloat16 at train.lr=3e-5: 27%% of its weights changed in 8 "
-                "updates, 97%% in float32). Keep model.dtype=float32 with trainer.precision=bf16-mixed, or train "
-                "LoRA adapters (model.lora.enabled=true).", ", ".join(sorted(half)))
+                "format at a weight (|w|/256 to |w|/128 in bfloat16) leaves it unchanged, so at small learning rates "
+                "most weights never move (the anchor model in bfloat16 at train.lr=3e-5: 27%% of its weights changed "
+                "in 8 updates, 97%% in float32). Keep model.dtype=float32 with trainer.precision=bf16-mixed, or "
+                "train LoRA adapters (model.lora.enabled=true).", ", ".join(sorted(half)))
         return self.optimizer_factory(trained)
 
     def train_dataloader(self) -> DataLoader:

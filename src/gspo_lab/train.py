@@ -98,9 +98,9 @@ def plan(cfg: DictConfig) -> Plan:
 
 
 def check_precision(trainer: L.Trainer) -> None:
-    """The RL step checks, logs and clips the norm of the true gradients before each optimizer step; float16
-    mixed precision on a GPU (bf16-mixed needs none, and on CPU Lightning runs 16-mixed as bf16-mixed) hands it
-    gradients multiplied by a GradScaler's loss scale."""
+    """The RL step checks, logs and clips the true gradient norm before each optimizer step, so a GradScaler
+    (float16 mixed precision on a GPU), which multiplies the gradients by its loss scale, is refused. bf16-mixed
+    has none; on CPU Lightning runs 16-mixed as bf16-mixed."""
     if getattr(trainer.precision_plugin, "scaler", None) is not None:
         raise ValueError(
             f"trainer.precision={trainer.precision!r} is invalid: its GradScaler scales the gradients, and the RL "
