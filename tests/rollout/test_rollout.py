@@ -5,7 +5,7 @@ import torch
 
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import PromptSchedule, generate, token_logprobs
-from gspo_lab.rollout.generation import position_ids
+from gspo_lab.rollout.generation import StepLogprobs, position_ids
 from gspo_lab.tasks import Arithmetic
 
 SMALL = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -77,6 +77,31 @@ def test_logprobs_from_generation_match_the_forward(policy, top_p):
         forward, _ = token_logprobs(model, ids, mask, out.completion_ids.shape[1], 0.8)
     valid = out.completion_mask.bool()
     assert torch.allclose(out.logprobs[valid], forward[valid], atol=1e-4)
+
+
+def test_step_logprobs_keep_the_returned_tokens_and_drop_later_decode_steps(policy):
+    """Decoding by hand as generate does: a prompt call, then each sampled token fed back. generate never feeds
+    back its last token; under FSDP's synced_gpus a finished rank feeds its last token again, which must not
+    count."""
+    model, tok = policy
+    prompt = tok(["12+3="], return_tensors="pt")["input_ids"]  # [1, P]
+    tokens = torch.tensor([[7, 9, 4]])  # what was "sampled": their log-probs are what we ask for
+
+    def decode(fed: list[int]) -> tuple[StepLogprobs, list[torch.Tensor]]:
+        recorder, logits = StepLogprobs(temperature=0.5), []
+        with torch.no_grad(), recorder.hooked(model):
+            out = model(input_ids=prompt, use_cache=True)
+            logits.append(out.logits[:, -1])
+            for t in fed:
+                out = model(input_ids=tokens[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+                logits.append(out.logits[:, -1])
+        return recorder, logits
+
+    recorder, logits = decode([0, 1])  # as generate: tokens 0 and 1 fed back, token 2 never
+    expected = torch.stack([(logits[t] / 0.5).log_softmax(-1)[0, tokens[0, t]] for t in range(3)])
+    assert torch.equal(recorder.of(tokens)[0], expected)
+    synced, _ = decode([0, 1, 2, 2, 2])  # token 2 fed back, then twice more by a finished rank
+    assert torch.equal(synced.of(tokens)[0], expected)
 
 
 def test_a_saved_generation_config_changes_no_sample():
