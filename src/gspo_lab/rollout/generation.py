@@ -90,8 +90,8 @@ def generate(
     return completions.cloned()
 
 
-def sampling_config(tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, suppress_eos=False,
-                    return_logprobs=False) -> GenerationConfig:
+def sampling_config(tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
+                    suppress_eos=False) -> GenerationConfig:
     """Every setting `generate` decodes with, from the arguments alone (greedy, or sampling from softmax(logits /
     temperature) with only the `top_p` nucleus filter: top_k=0 overrides transformers' default of 50)."""
     eos = tokenizer.eos_token_id
@@ -197,7 +197,7 @@ def _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greed
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
     eos = tokenizer.eos_token_id
-    config = sampling_config(tokenizer, max_new_tokens, temperature, top_p, greedy, suppress_eos, return_logprobs)
+    config = sampling_config(tokenizer, max_new_tokens, temperature, top_p, greedy, suppress_eos)
     was_training = model.training
     model.eval()
     # FSDP: every decoder call gathers parameters from all ranks, so every rank must make the same calls: no
