@@ -84,9 +84,10 @@ def generate(
     whose gathered parameters must stay ordinary tensors); the tensors returned are ordinary ones.
     `share_prompts`: a prompt repeated in `prompts` (a group) is prefilled once (`prefill_distinct_prompts`; not for
     an FSDP-sharded model, whose ranks must make the same decoder calls)."""
-    with torch.no_grad() if is_sharded(model) else torch.inference_mode():
+    sharded = is_sharded(model)
+    with torch.no_grad() if sharded else torch.inference_mode():
         completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greedy, suppress_eos,
-                              return_logprobs, share_prompts)
+                              return_logprobs, share_prompts, sharded)
     return completions.cloned()
 
 
@@ -193,7 +194,7 @@ class StepLogprobs:
 
 
 def _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greedy, suppress_eos,
-            return_logprobs, share_prompts=False) -> Completions:
+            return_logprobs, share_prompts, sharded) -> Completions:
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
     eos = tokenizer.eos_token_id
@@ -203,7 +204,6 @@ def _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greed
     # FSDP: every decoder call gathers parameters from all ranks, so every rank must make the same calls: no
     # prefill that a rank may skip, and decoding until the last rank's sequences finish (transformers turns
     # synced_gpus on by itself only for models sharded through its own FSDP integration)
-    sharded = is_sharded(model)
     synced = sharded and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     cache = None
     if share_prompts and not sharded:
