@@ -93,7 +93,8 @@ def test_callbacks(base_cfg, tmp_path, compose):
     cfg = compose([f"paths.output_dir={tmp_path}"])
     callbacks = [instantiate(c) for c in cfg.callbacks.values()]
     checkpoint = next(c for c in callbacks if isinstance(c, L.pytorch.callbacks.ModelCheckpoint))
-    assert checkpoint._every_n_train_steps == cfg.train.ckpt_every * cfg.train.minibatches
+    assert checkpoint.every_n_rl_steps == cfg.train.ckpt_every  # RL steps, not Lightning's optimizer steps
+    assert checkpoint._every_n_train_steps == 0 and checkpoint._every_n_epochs == 0  # nothing else triggers it
 
 
 @pytest.mark.parametrize(

@@ -122,6 +122,32 @@ def test_consecutive_nan_updates_stop_the_run_with_a_checkpoint(compose, rl_over
         assert torch.equal(checkpoint["state_dict"][f"model.{key}"], value), key
 
 
+def test_periodic_checkpoints_keep_coming_after_a_skipped_update_and_resume_exactly(compose, rl_overrides, tmp_path):
+    """Checkpoints count RL steps: a skipped mini-batch leaves Lightning's optimizer-step counter one behind
+    (7 optimizer steps after 4 RL steps of 2 mini-batches), which stopped `every_n_train_steps` for good."""
+    keep_all = ["train.ckpt_every=1", "callbacks.checkpoint.save_top_k=-1"]
+
+    def fit(name, steps, skips, ckpt_path=None):
+        run, module, _ = build(compose(rl_overrides + keep_all + [f"train.steps={steps}",
+                                                                  f"paths.output_dir={tmp_path / name}"]))
+        nan_in_training_forwards(module, times=skips)
+        run.trainer.fit(module, ckpt_path=ckpt_path, weights_only=True)
+        return run, module
+
+    run, whole = fit("whole", 4, skips=1)
+    assert whole.history[0]["train/skipped_updates"] == 1 and run.trainer.global_step == 7
+    written = sorted(path.name for path in (tmp_path / "whole" / "checkpoints").glob("*.ckpt"))
+    assert written == ["last.ckpt", "rl_step=1.ckpt", "rl_step=2.ckpt", "rl_step=3.ckpt", "rl_step=4.ckpt"]
+    assert torch.load(tmp_path / "whole" / "checkpoints" / "last.ckpt", weights_only=True)["rl_step"] == 4
+    # RL steps 3 and 4 again, from the periodic checkpoint of step 2 (the skip was in step 1)
+    _, resumed = fit("resumed", 4, skips=0, ckpt_path=str(tmp_path / "whole" / "checkpoints" / "rl_step=2.ckpt"))
+    strip = [{k: v for k, v in row.items() if not k.startswith(TIMING)} for row in whole.history]
+    assert [{k: v for k, v in row.items() if not k.startswith(TIMING)} for row in resumed.history] == strip
+    for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        # bitwise: the same operations on the same shapes in one process, from the same checkpointed state
+        assert torch.equal(a, b), name
+
+
 class FlakyArithmetic(Arithmetic):
     """A user's reward function with a bug: it raises on completions containing '7'."""
 

@@ -13,7 +13,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCE_ROOT = None if (PACKAGE_DIR / "conf").is_dir() else PACKAGE_DIR.parents[1]
 CONFIG_DIR = str(PACKAGE_DIR / "conf" if SOURCE_ROOT is None else SOURCE_ROOT / "conf")
 
-# ${mul:a,b} and ${idiv:a,b} in configs, e.g. Lightning's optimizer steps = RL steps x mini-batches
+# ${mul:a,b} and ${idiv:a,b} in configs, e.g. a clip range times clip_scale
 OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
 OmegaConf.register_new_resolver("idiv", lambda a, b: a // b, replace=True)
 # ${truncate:text,n}: sweep subdir names stay under the 255-byte file-name limit however many overrides

@@ -1,4 +1,8 @@
-"""GracefulStop: Ctrl-C, SIGTERM or SIGUSR1 (a cluster's end-of-slot warning) end the run at the next RL-step
+"""Checkpoints on RL steps, and GracefulStop.
+
+RLStepCheckpoint writes a checkpoint every `train.ckpt_every` RL steps and `last.ckpt` at the end of the run.
+
+GracefulStop: Ctrl-C, SIGTERM or SIGUSR1 (a cluster's end-of-slot warning) end the run at the next RL-step
 boundary with a checkpoint, so `ckpt_path=last` resumes it exactly.
 
 The signal only records a request; after the current RL step has been logged, every rank agrees (any rank
@@ -19,6 +23,8 @@ import signal
 from pathlib import Path
 
 import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 log = logging.getLogger(__name__)
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -72,3 +78,46 @@ class GracefulStop(L.Callback):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+
+
+class RLStepCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, triggered by RL steps (the module's `rl_step`) instead of optimizer steps.
+
+    An RL step makes `train.minibatches` optimizer steps, fewer when an update is skipped for a non-finite loss or
+    gradient, so after one skip Lightning's step counter is never again a multiple of `ckpt_every x minibatches`
+    and `every_n_train_steps` would write nothing more. Here every `every_n_rl_steps`-th RL step writes
+    `rl_step=<k>.ckpt` (the filename's `{rl_step}`) and `last.ckpt`, and the end of training writes `last.ckpt`
+    of the final step, so `ckpt_path=last` always resumes from the newest step. Epoch and validation ends save
+    nothing (one epoch is the whole run; evaluation runs inside the RL step).
+    """
+
+    def __init__(self, every_n_rl_steps: int, **kwargs) -> None:
+        super().__init__(every_n_train_steps=0, every_n_epochs=0, **kwargs)
+        if every_n_rl_steps < 0:
+            raise ValueError(f"train.ckpt_every={every_n_rl_steps!r} is invalid: it must be >= 0 (0: only last.ckpt)")
+        self.every_n_rl_steps = every_n_rl_steps
+        self.last_rl_step_saved: int | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = pl_module.rl_step
+        if self.every_n_rl_steps > 0 and step > 0 and step % self.every_n_rl_steps == 0:
+            self._save_rl_step(trainer, step, periodic=True)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Nothing: see the class docstring."""
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Nothing: see the class docstring."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save_rl_step(trainer, pl_module.rl_step, periodic=False)
+
+    def _save_rl_step(self, trainer: L.Trainer, step: int, periodic: bool) -> None:
+        if step == self.last_rl_step_saved or trainer.sanity_checking or trainer.fast_dev_run:
+            return
+        candidates = self._monitor_candidates(trainer)
+        candidates["rl_step"] = torch.tensor(step)
+        if periodic:
+            self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+        self.last_rl_step_saved = step
