@@ -62,3 +62,50 @@ def test_a_fixed_sft_seed_lets_runs_of_several_seeds_share_one_cold_start(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(model0.state_dict().values(), model1.state_dict().values()))
     _, _, own = start("seed=1")  # by default each seed trains its own
     assert not own["cache_hit"] and own["seed"] == 1 and own["path"] != info0["path"]
+
+
+def test_sft_enabled_must_be_true_false_or_auto():
+    with pytest.raises(ValueError, match=r"sft\.enabled='yes' is invalid: must be true, false or auto"):
+        SFTConfig(enabled="yes")
+    with pytest.raises(ValueError, match=r"sft\.enabled=1 is invalid"):
+        SFTConfig(enabled=1)
+
+
+@pytest.fixture
+def checkpoint(tmp_path, compose, tiny):
+    """A tiny model saved with save_pretrained, as a user's own checkpoint."""
+    cfg = compose(tiny)
+    torch.manual_seed(0)
+    model, tokenizer = instantiate(cfg.model).load()
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt", model
+
+
+def hf(compose, tmp_path, path, *overrides):
+    cfg = compose(["model=hf", f"model.path={path}", f"paths.cache_dir={tmp_path / 'cache'}", "sft.steps=2",
+                   "sft.eval_every=2", "sft.eval_size=4", "sft.batch_size=8", "sft.max_new_tokens=4", *overrides])
+    return cfg, policy_from_config(cfg, instantiate(cfg.task))
+
+
+def test_a_pretrained_checkpoint_starts_rl_as_saved_unless_sft_is_asked_for(checkpoint, compose, tmp_path):
+    path, saved = checkpoint
+    _, (model, _, info) = hf(compose, tmp_path, path)  # sft.enabled=auto, the default
+    assert info == {"enabled": False} and not (tmp_path / "cache").exists()
+    for (name, a), b in zip(saved.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name  # bitwise: the same tensors written and read back
+    _, (trained, _, asked) = hf(compose, tmp_path, path, "sft.enabled=true")
+    assert asked["enabled"] and not asked["cache_hit"] and asked["steps"] == 2
+    assert not torch.equal(trained.lm_head.weight, saved.lm_head.weight)
+
+
+def test_the_cold_start_of_a_checkpoint_is_keyed_by_its_contents_not_its_path(checkpoint, compose, tmp_path):
+    path, saved = checkpoint
+    _, (_, _, first) = hf(compose, tmp_path, path, "sft.enabled=true")
+    _, (_, _, again) = hf(compose, tmp_path, path, "sft.enabled=true")
+    assert again["cache_hit"] and again["path"] == first["path"]
+    with torch.no_grad():
+        saved.lm_head.weight.add_(0.01)  # the user trains on and saves to the same folder
+    saved.save_pretrained(path)
+    _, (_, _, changed) = hf(compose, tmp_path, path, "sft.enabled=true")
+    assert not changed["cache_hit"] and changed["path"] != first["path"]

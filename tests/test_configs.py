@@ -59,7 +59,7 @@ def test_settings_nodes(group, cls, compose):
 
 def test_train_and_sft_nodes(base_cfg):
     assert isinstance(instantiate(base_cfg.train), TrainConfig)
-    assert SFTConfig(**OmegaConf.to_container(base_cfg.sft, resolve=True)).enabled
+    assert SFTConfig(**OmegaConf.to_container(base_cfg.sft, resolve=True)).runs_on(instantiate(base_cfg.model))
 
 
 @pytest.mark.parametrize("name", options("optimizer"))

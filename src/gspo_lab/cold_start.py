@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,9 +53,10 @@ def cache_key(model_cfg: dict, task_cfg: dict, sft: SFTConfig, seed: int) -> str
 
 
 def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_dir: str | Path, accelerator="cpu",
-               check: Callable[[Any, Any], None] | None = None):
-    """The SFT'd model and tokenizer, trained now or loaded from the cache; plus the stage's info dict.
-    `check(model, tokenizer)` runs once: on the freshly built model before any training, or on a cache hit."""
+               check: Callable[[Any, Any], None] | None = None, precision="32-true"):
+    """The SFT'd model and tokenizer, trained now (on one device of `accelerator`, at the trainer's `precision`)
+    or loaded from the cache; plus the stage's info dict. `check(model, tokenizer)` runs once: on the freshly
+    built model before any training, or on a cache hit."""
     entry = Path(cache_dir).expanduser() / key
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.parent / f"{key}.lock", "w") as lock:
@@ -67,13 +68,13 @@ def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_di
             if check is not None:
                 check(model, tokenizer)
             return model, tokenizer, {**info, "cache_hit": True, "path": str(entry)}
-        info = _train_and_save(model_source, task, sft, seed, entry, accelerator, check)
+        info = _train_and_save(model_source, task, sft, seed, entry, accelerator, check, precision)
     model, tokenizer = model_source.load_from(entry)
     return model, tokenizer, {**info, "cache_hit": False, "path": str(entry)}
 
 
 def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, accelerator,
-                    check) -> dict[str, Any]:
+                    check, precision) -> dict[str, Any]:
     L.seed_everything(seed, workers=True, verbose=False)
     model, tokenizer = model_source.load(task)
     if check is not None:
@@ -83,6 +84,7 @@ def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, 
         max_steps=sft.steps,
         accelerator=accelerator,
         devices=1,
+        precision=precision,
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -108,16 +110,21 @@ def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, 
 
 
 def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]:
-    """The run's starting policy: the cached cold start when `sft.enabled`, else the model as built."""
+    """The run's starting policy: the cached cold start when `sft.enabled` (true, or auto for a model built
+    from config), else the model as built or the checkpoint as saved."""
     model_source = instantiate(cfg.model)
     sft = SFTConfig(**OmegaConf.to_container(cfg.sft, resolve=True))
     budgets = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
-    if not sft.enabled:
+    if not sft.runs_on(model_source):
         L.seed_everything(cfg.seed, verbose=False)
         model, tokenizer = model_source.load(task)
         check_context(model, tokenizer, task, budgets)
         return model, tokenizer, {"enabled": False}
+    sft = replace(sft, enabled=True)  # auto resolved: the cache key of a cold start does not depend on how it was asked
     budgets["sft.max_new_tokens"] = sft.max_new_tokens
+    if model_source.pretrained and model_source.lora.enabled:
+        log.warning("sft.enabled=true with model.lora.enabled=true: the cold start trains every weight of %s "
+                    "before the LoRA adapters exist", model_source.path)
 
     def check(model, tokenizer) -> None:  # before the cold start trains, or on a cache hit
         check_context(model, tokenizer, task, budgets)
@@ -125,9 +132,15 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
     seed = cfg.seed if sft.seed is None else sft.seed
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     model_cfg.pop("lora", None)  # adapters train in RL only: the cold start (full SFT) is the same with or without
+    if model_source.pretrained:  # the checkpoint's contents, not only its path
+        model_cfg["contents"] = model_source.fingerprint()
+    trainer = cfg.get("trainer", {})
+    accelerator, precision = trainer.get("accelerator", "cpu"), trainer.get("precision", "32-true")
+    if precision not in ("32-true", "32", 32):  # a 32-bit cold start keeps the key it always had
+        model_cfg["precision"] = precision
     key = cache_key(model_cfg, OmegaConf.to_container(cfg.task, resolve=True), sft, seed)
-    accelerator = cfg.trainer.get("accelerator", "cpu") if "trainer" in cfg else "cpu"
-    model, tokenizer, info = cold_start(model_source, task, sft, seed, key, cfg.paths.cache_dir, accelerator, check)
+    model, tokenizer, info = cold_start(model_source, task, sft, seed, key, cfg.paths.cache_dir, accelerator, check,
+                                        precision)
     return model, tokenizer, {"enabled": True, **info}
 
 
@@ -140,7 +153,8 @@ def main(cfg: DictConfig) -> float:
     except ContextTooLong as error:
         raise SystemExit(f"gspo-sft: invalid configuration: {error}") from error
     if not info["enabled"]:
-        raise SystemExit("gspo-sft: sft.enabled=false, so there is no cold start to run")
+        raise SystemExit(f"gspo-sft: sft.enabled={cfg.sft.enabled}, so there is no cold start to run (auto runs it "
+                         "only for models built from config; sft.enabled=true runs it on a checkpoint)")
     verb = "loaded from cache" if info["cache_hit"] else f"trained in {info['seconds']} s"
     print(f"cold start {verb}: held-out accuracy {info['accuracy']:.3f} at step {info['steps']}\n{info['path']}")
     return info["accuracy"]

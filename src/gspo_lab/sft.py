@@ -27,7 +27,8 @@ class SFTConfig:
     """Settings of the cold start; every field enters the cache key.
 
     Args:
-        enabled: false starts RL from the randomly initialised model.
+        enabled: true, false, or "auto" (the default): on for models built from config, off for a pretrained
+            checkpoint (model=hf), which starts RL as it is unless the user asks for the cold start.
         steps: the most optimizer steps.
         batch_size: demonstrations per step.
         lr: AdamW learning rate after warm-up; warmup_steps: linear warm-up length.
@@ -38,7 +39,7 @@ class SFTConfig:
             `seed`, and a fixed value lets RL runs of several seeds start from one cold start.
     """
 
-    enabled: bool = True
+    enabled: bool | str = "auto"
     steps: int = 1000
     batch_size: int = 128
     lr: float = 1e-3
@@ -51,6 +52,8 @@ class SFTConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.enabled, bool) or self.enabled == "auto"):
+            raise ValueError(f"sft.enabled={self.enabled!r} is invalid: must be true, false or auto")
         for key in ("steps", "batch_size", "eval_every", "eval_size", "max_new_tokens"):
             if not getattr(self, key) >= 1:
                 raise ValueError(f"sft.{key}={getattr(self, key)!r} must be >= 1")
@@ -60,6 +63,11 @@ class SFTConfig:
             raise ValueError(f"sft.warmup_steps={self.warmup_steps!r} must be >= 0")
         if not 0 < self.target_accuracy <= 1:
             raise ValueError(f"sft.target_accuracy={self.target_accuracy!r} must satisfy 0 < target <= 1")
+
+    def runs_on(self, model_source) -> bool:
+        """Whether the cold start runs before RL: as set, or under "auto" only for a model built from config
+        (a source whose `pretrained` is false)."""
+        return not model_source.pretrained if self.enabled == "auto" else self.enabled
 
 
 class Demonstrations(IterableDataset):

@@ -10,10 +10,11 @@ whose own log-probs training would not reproduce (gspo_lab.rollout.logprobs.chec
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -54,6 +55,7 @@ class TinyModel:
         lora: LoRA adapters for RL (gspo_lab.models.lora.LoraSettings; conf/train.yaml's model.lora).
     """
 
+    pretrained: ClassVar[bool] = False  # built from config: sft.enabled=auto runs the cold start
     arch: str
     config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
@@ -124,6 +126,7 @@ class PretrainedModel:
         lora: LoRA adapters for RL (gspo_lab.models.lora.LoraSettings; conf/train.yaml's model.lora).
     """
 
+    pretrained: ClassVar[bool] = True  # sft.enabled=auto starts RL from the checkpoint as it is
     path: str | None = None
     dtype: str = "float32"
     gradient_checkpointing: bool = False
@@ -143,6 +146,28 @@ class PretrainedModel:
 
     def load_from(self, path: str | Path):
         return load_pretrained(path, self.dtype, self.gradient_checkpointing, self.experts_implementation)
+
+    def fingerprint(self) -> str:
+        """A hash of the checkpoint folder's contents (`checkpoint_fingerprint`), for cache keys."""
+        return checkpoint_fingerprint(Path(self.path).expanduser())
+
+
+def checkpoint_fingerprint(folder: Path, block: int = 1 << 24) -> str:
+    """SHA-256 over every file of a checkpoint folder (relative names and bytes; about 1 s per GB), so a
+    checkpoint saved again at the same path gets another hash.
+
+    >>> import tempfile; folder = Path(tempfile.mkdtemp()); _ = (folder / "config.json").write_text("{}")
+    >>> before = checkpoint_fingerprint(folder); _ = (folder / "config.json").write_text('{"a": 1}')
+    >>> before == checkpoint_fingerprint(folder)
+    False
+    """
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0")
+        with open(path, "rb") as file:
+            while chunk := file.read(block):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def load_pretrained(path, dtype="float32", gradient_checkpointing=False, experts_implementation=None):
