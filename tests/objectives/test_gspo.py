@@ -119,3 +119,23 @@ def test_gspo_token_gradient_with_per_token_advantages_hand_computed():
     assert torch.allclose(logp.grad, expected, atol=1e-12, rtol=0)
     assert out.metrics["clip/frac"].item() == pytest.approx(2 / 5)  # row 1's two positive-advantage tokens
     assert out.metrics["clip/frac_high"].item() == pytest.approx(2 / 5)
+
+
+@pytest.mark.parametrize("length_norm", [True, False])
+def test_gspo_token_equals_gspo_where_the_log_ratio_clamp_fires(length_norm):
+    """One sequence of two tokens, token log-ratios 2, A = -1, clip range [0.8, 1.2], clamp 0.5.
+    GSPO: log s = 2 (length-normalised) or 4, clamped to 0.5, s = e^0.5 = 1.6487; with A < 0 the term is
+    min(-s, -clip(s)) = -s, loss +s, and the clamp's gradient is 0 past its bound, so d loss / d logp = 0.
+    GSPO-token's s_i,t = sg[s] π / sg[π] had gradient s / 2 = 0.82 per token (0.55 in the issue's example
+    without the clip); it now carries the clamp's zero too."""
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    results = []
+    for cls in (GSPO, GSPOToken):
+        logp = torch.full((1, 2), 2.0, dtype=torch.float64, requires_grad=True)
+        out = cls(clip_low=0.2, clip_high=0.2, length_norm=length_norm, log_ratio_clamp=0.5)(
+            logp, old, torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 2))
+        out.loss.backward()
+        results.append((out.loss.item(), logp.grad))
+    (loss_gspo, grad_gspo), (loss_token, grad_token) = results
+    assert loss_gspo == pytest.approx(math.exp(0.5), abs=1e-12) and loss_token == pytest.approx(math.exp(0.5), abs=1e-12)
+    assert grad_gspo.abs().max() == 0 and grad_token.abs().max() == 0

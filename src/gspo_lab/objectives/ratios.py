@@ -102,7 +102,8 @@ class SequenceRatio:
 class SequenceTokenRatio:
     """s_i,t = sg[s_i] · π_θ(y_i,t) / sg[π_θ(y_i,t)], equal to s_i in value (GSPO-token, arXiv 2507.18071 eqs.
     13-17); per-token advantages allowed. With one advantage per sequence its loss and gradient equal
-    `SequenceRatio`'s.
+    `SequenceRatio`'s, also where `log_ratio_clamp` fires: a clamped log s_i has no gradient there, so the
+    tokens of such a sequence carry none here either (the paper's form would still pass s_i ∇ log π).
 
     With `length_norm=False`, s_i is the raw sequence ratio and each token's log-prob enters with weight
     |y_i| (s_i,t = sg[s_i] (π / sg[π])^|y_i|), so value and gradient still equal un-normalised GSPO's.
@@ -119,6 +120,7 @@ class SequenceTokenRatio:
         s = torch.exp(log_s)  # s_i  [B]
         # without length normalisation ∇ log s_i = Σ_t ∇ log π, so each token weighs |y_i| in the token mean
         weight = 1.0 if self.length_norm else batch.lengths[:, None]  # [B, 1]
+        weight = weight * (~fired)[:, None]  # a clamped sequence: the gradient of clamp(log s_i), 0, on each token
         # s_i,t = sg[s_i] · π(y_i,t) / sg[π(y_i,t)]: value s_i, gradient s_i ∇ log π(y_i,t)
         per_token = s.detach()[:, None] * torch.exp(weight * (batch.logp - batch.logp.detach()))  # [B, T]
         rows = batch.valid_rows
