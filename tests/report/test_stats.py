@@ -1,12 +1,14 @@
 """The statistics behind gspo-report, on cases worked out by hand: the interquartile mean, the coverage of
-the bootstrap interval, the probability of improvement and the performance profile."""
+the bootstrap interval, the probability of improvement (paired and unpaired), the performance profile and the
+binomial noise of a held-out accuracy."""
 
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from gspo_lab.report.stats import (band, improvement_interval, iqm, iqm_interval, mean_interval,
-                                   performance_profile, probability_of_improvement)
+from gspo_lab.report.stats import (accuracy_noise, band, improvement_interval, iqm, iqm_interval, mean_interval,
+                                   paired_improvement_interval, paired_probability_of_improvement,
+                                   percentile_coverage, performance_profile, probability_of_improvement)
 
 
 def test_iqm_is_the_mean_of_the_middle_half():
@@ -18,18 +20,11 @@ def test_iqm_is_the_mean_of_the_middle_half():
     assert iqm([0.1, 0.2, 0.6]) == pytest.approx(0.3)
 
 
-def percentile_coverage(seeds: int) -> float:
-    """The share of samples whose percentile-bootstrap 95% interval holds the mean of a normal population,
-    in the large-resample limit: the interval is about mean ± 1.96 s sqrt((n - 1) / n) / sqrt(n), and
-    (mean - true mean) / (s / sqrt(n)) follows Student's t with n - 1 degrees of freedom. 0.942 for n = 50,
-    0.846 for n = 5: the interval is too narrow with few seeds."""
-    return 2 * scipy_stats.t.cdf(1.959964 * np.sqrt((seeds - 1) / seeds), seeds - 1) - 1
-
-
 @pytest.mark.parametrize("seeds", [50, 5])
 def test_the_95_percent_interval_holds_the_true_mean_in_the_expected_share_of_samples(seeds):
     """400 samples from a normal population with mean 0.5: the share of intervals holding 0.5 lies within 3
-    binomial standard errors of the expected coverage (0.942 ± 0.035 for 50 seeds, 0.846 ± 0.054 for 5).
+    binomial standard errors of the expected coverage (0.942 ± 0.035 for 50 seeds, 0.846 ± 0.054 for 5), the
+    figure gspo-report prints beside its nominal 95% intervals (stats.percentile_coverage).
     A ±1 standard-error band, which gspo-report used to print, would hold it in about 68% (50 seeds) or 63%
     (5 seeds) of samples and fail here."""
     rng = np.random.default_rng(0)
@@ -79,6 +74,42 @@ def test_probability_of_improvement_counts_ties_as_one_half_over_all_pairs():
     x, y = rng.integers(0, 5, 7).astype(float), rng.integers(0, 5, 6).astype(float)  # many ties
     wins = sum((a > b) + 0.5 * (a == b) for a in x for b in y) / (len(x) * len(y))
     assert probability_of_improvement(x, y) == pytest.approx(wins)
+
+
+def test_paired_probability_of_improvement_counts_seeds_not_run_pairs():
+    # seeds 0-3: x - y = +0.1, -0.3, 0, +0.1 -> win, loss, tie, win: (1 + 0 + 0.5 + 1) / 4
+    x, y = np.array([0.5, 0.3, 0.4, 0.9]), np.array([0.4, 0.6, 0.4, 0.8])
+    assert paired_probability_of_improvement(x, y) == pytest.approx(0.625)
+    # over all 16 pairs: 0.5 beats 0.4 twice, 0.3 nothing, 0.4 ties 0.4 twice, 0.9 beats all 4: (6 + 2 / 2) / 16
+    assert probability_of_improvement(x, y) == pytest.approx(7 / 16)
+
+
+def test_a_setting_ahead_on_every_seed_improves_with_probability_one():
+    """The baseline + 0.01 on each of 5 seeds: it wins on every seed, and every resample of seeds keeps that, so
+    P = 1 [1, 1]. Over all 25 run pairs it wins only where its seed's baseline is not below the other's: 15 of
+    25 = 0.6, the number gspo-report used to print beside a difference of +0.010 [0.010, 0.010]."""
+    baseline = np.array([0.30, 0.35, 0.40, 0.45, 0.50])
+    setting = baseline + 0.01
+    paired = paired_improvement_interval(setting, baseline, seed=0)
+    assert (paired.value, paired.low, paired.high) == (1.0, 1.0, 1.0)
+    assert improvement_interval(setting, baseline, seed=0).value == pytest.approx(0.6)
+
+
+def test_the_paired_interval_is_scipys_paired_bootstrap():
+    x, y = np.array([0.5, 0.3, 0.4, 0.9, 0.35]), np.array([0.4, 0.6, 0.4, 0.2, 0.5])
+    expected = scipy_stats.bootstrap((x, y), paired_probability_of_improvement, paired=True, method="percentile",
+                                     rng=np.random.default_rng(7), batch=1000).confidence_interval
+    interval = paired_improvement_interval(x, y, seed=7)
+    assert (interval.low, interval.high) == pytest.approx((expected.low, expected.high))
+    assert paired_improvement_interval(x[:1], y[:1], seed=7).reason == "1 seed"
+
+
+def test_accuracy_noise_is_two_binomial_standard_errors_of_the_difference():
+    # 0.3 and 0.3 on 400 prompts: 2 sqrt((0.21 + 0.21) / 400) = 2 * 0.0324 = 0.0648, about 26 prompts' worth
+    assert accuracy_noise(0.3, 0.3, 400) == pytest.approx(0.0648074)
+    # 0.5 and 0.625 on 32 prompts: 2 sqrt((0.25 + 0.234375) / 32) = 0.2460
+    assert accuracy_noise(0.5, 0.625, 32) == pytest.approx(0.2460, abs=1e-4)
+    assert accuracy_noise(0.0, 0.0, 400) == 0.0  # a run at 0 throughout has nothing to lose
 
 
 def test_performance_profile_is_the_fraction_of_runs_above_each_threshold():

@@ -2,9 +2,10 @@
 
 A run is a folder holding run_info.json (written when a run starts) or failed.txt (a job that failed). Its
 setting is its Hydra overrides without `seed`; runs of one setting on different seeds are its replicates.
-For each setting and metric: mean, interquartile mean and 95% bootstrap intervals over seeds; the runs that
-collapsed; paired differences and the probability of improvement against a baseline on shared seeds
-(Agarwal et al. 2021, the statistics of rliable; report/stats.py). Writes into the first DIR (or --out):
+For each setting and metric: mean, interquartile mean and nominal 95% bootstrap intervals over seeds (with few
+seeds they hold the true value less often: about 85% with 5 seeds); the runs that collapsed; paired differences
+and the probability of improvement against a baseline on shared seeds (Agarwal et al. 2021, the statistics of
+rliable; report/stats.py). Writes into the first DIR (or --out):
 report.md, report.html (self-contained), statistics.csv, paired.csv and the figures; prints the tables.
 
     gspo-report multirun/2026-11-21/10-00-00
@@ -28,8 +29,9 @@ import yaml
 from gspo_lab.report import html
 from gspo_lab.report.figures import CURVES, PROFILE, curves, profile
 from gspo_lab.report.run import read_metrics, series
-from gspo_lab.report.stats import CONFIDENCE, RESAMPLES
-from gspo_lab.report.tables import markdown, paired, paired_text, settings_table, statistics, statistics_text
+from gspo_lab.report.stats import CONFIDENCE, NOISE_Z, RESAMPLES, accuracy_noise, percentile_coverage
+from gspo_lab.report.tables import (CI, PAIRED_OVER, UNPAIRED_OVER, markdown, paired, paired_text, settings_table,
+                                    statistics, statistics_text)
 
 FIGURES = [*CURVES, PROFILE]
 NUMBER = re.compile(r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)")
@@ -48,6 +50,7 @@ class Run:
     seed: int | None
     summary: dict | None
     failed: bool
+    eval_size: int | None = None  # held-out prompts per evaluation (task.eval_size in its config), if recorded
     setting: str = ""  # the overrides in which runs differ, set by `discover`
 
     @cached_property
@@ -69,12 +72,19 @@ class Run:
         return sum(values) / len(values) if values else math.nan
 
     def collapsed(self, drop: float) -> bool | None:
-        """Held-out accuracy ended more than `drop` below the run's own best, or below its starting value;
-        None for a run never evaluated."""
+        """The final held-out accuracy is below the run's own best by more than both `drop` and the binomial
+        noise of the difference, or below its first evaluation (the cold start) by more than that noise; the
+        noise is stats.accuracy_noise on the run's eval_size prompts, or `drop` where no eval_size was
+        recorded. None for a run never evaluated."""
         _, accuracy = series(self.rows, "eval/accuracy")
         if not accuracy:
             return None
-        return max(accuracy) - accuracy[-1] > drop or accuracy[-1] < accuracy[0]
+        start, best, final = accuracy[0], max(accuracy), accuracy[-1]
+
+        def noise(reference: float) -> float:
+            return accuracy_noise(reference, final, self.eval_size) if self.eval_size else drop
+
+        return best - final > max(drop, noise(best)) or start - final > noise(start)
 
     def reward_collapsed(self) -> bool | None:
         """The mean sampled reward of the last REWARD_WINDOW steps is below REWARD_FLOOR times that of the
@@ -121,16 +131,19 @@ def load_run(path: Path) -> Run:
             seed = int(value)
         elif not key.startswith("hydra") and key not in ("experiment", "hparams_search"):
             kept.add(item)
+    config_file = next((f for f in (path / "config.yaml", path / ".hydra" / "config.yaml") if f.is_file()), None)
+    config = (yaml.safe_load(config_file.read_text()) or {}) if config_file else {}
     if seed is None:
-        config = path / "config.yaml"
-        seed = yaml.safe_load(config.read_text()).get("seed") if config.is_file() else None
+        seed = config.get("seed")
+    eval_size = (config.get("task") or {}).get("eval_size")  # jsonl tasks evaluate on fewer if the pool is smaller
     info_file = path / "run_info.json"  # absent when a job failed before its run started
     info = json.loads(info_file.read_text()) if info_file.is_file() else {}
     if not kept and info.get("algorithm"):
         kept.add(f"algorithm={info['algorithm']}")
     summary_file = path / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
-    return Run(path, frozenset(kept), seed, summary, (path / "failed.txt").is_file())
+    return Run(path, frozenset(kept), seed, summary, (path / "failed.txt").is_file(),
+               eval_size if isinstance(eval_size, int) else None)
 
 
 def discover(dirs: list[Path]) -> Study:
@@ -193,33 +206,55 @@ class Sections:
         return html.page(title, blocks)
 
 
+def interval_note(study: Study, seed: int) -> str:
+    """What the intervals are: nominal 95%, and how often they hold the true mean with this study's seeds."""
+    counts = sorted(({len(study.of(setting)) for setting in study.settings()} - {1}) | {5})  # 5: the default
+    coverage = ", ".join(f"{percentile_coverage(n):.0%} with {n} seeds" for n in counts)
+    return (f"Intervals are nominal {CONFIDENCE:.0%} percentile-bootstrap intervals over seeds "
+            f"(scipy.stats.bootstrap, {RESAMPLES} resamples, --bootstrap-seed {seed}); one seed gives none. With few "
+            f"seeds they are too narrow: for the mean of normally distributed scores the nominal {CONFIDENCE:.0%} "
+            f"interval holds the true mean only this often: {coverage} (normal theory, checked by simulation in "
+            "tests/report/test_stats.py).")
+
+
+def collapse_note(study: Study, drop: float) -> str:
+    """The collapse rules, with how many runs fell back to --collapse-drop for want of an eval size."""
+    unsized = sum(run.eval_size is None for run in study.complete)
+    fallback = f"; --collapse-drop where a run recorded none ({unsized} of {len(study.complete)} runs)"
+    return (f"A run collapsed when its final held-out accuracy is below its own best by more than --collapse-drop "
+            f"({drop}) and more than the noise, or below its first evaluation (the cold start) by more than the "
+            f"noise; the noise is {NOISE_Z:g} binomial standard errors of the difference, {NOISE_Z:g} sqrt((a (1 - a) "
+            f"+ b (1 - b)) / n) for accuracies a and b on the run's n held-out prompts (task.eval_size in its "
+            f"config.yaml){fallback if unsized else ''}. Its reward collapsed when the mean sampled reward of its "
+            f"last {REWARD_WINDOW} steps fell below {REWARD_FLOOR} times that of its first {REWARD_WINDOW}.")
+
+
 def sections(study: Study, dirs: list[Path], baseline: str | None, collapse_drop: float, seed: int,
              notes: list[str]) -> tuple[Sections, dict[str, pd.DataFrame]]:
     """The report's text and tables, and the numeric frames behind them (written as CSV)."""
     stats = statistics(study, seed)
     pairs = paired(study, baseline, seed) if baseline is not None else pd.DataFrame()
-    intro = [f"{len(study.complete)} finished runs in {len(study.settings())} settings. Intervals are "
-             f"{CONFIDENCE:.0%} percentile-bootstrap intervals over seeds (scipy.stats.bootstrap, {RESAMPLES} "
-             f"resamples, --bootstrap-seed {seed}); one seed gives none. A run collapsed when its held-out "
-             f"accuracy ended more than {collapse_drop} below its own best, or below its starting value; its reward "
-             f"collapsed when the mean sampled reward of its last {REWARD_WINDOW} steps fell below {REWARD_FLOOR} "
-             f"times that of its first {REWARD_WINDOW}."]
+    intro = [f"{len(study.complete)} finished runs in {len(study.settings())} settings. {interval_note(study, seed)}",
+             "", collapse_note(study, collapse_drop)]
     if study.shared:
         intro += ["", f"Overrides shared by every run: `{' '.join(study.shared)}`"]
     if notes:
         intro += ["", f"Left out ({len(notes)}):", *notes]
     intro += [line for found in search_results(dirs) for line in ("", found)]
-    tables = [("Settings", ["Mean over seeds [95% CI of the mean]; `collapsed` counts the setting's collapsed runs, "
+    tables = [("Settings", [f"Mean over seeds [{CI} of the mean]; `collapsed` counts the setting's collapsed runs, "
                             "`reward collapsed` those whose sampled reward collapsed."],
                settings_table(study, stats, collapse_drop))]
     if len(pairs):
         tables.append(("Paired comparisons", [
             f"Paired differences against `{baseline}` (same seeds): the mean of setting minus baseline over the "
-            "shared seeds [95% CI]; P(improvement) is P(setting > baseline) in held-out accuracy over all pairs "
-            "of their runs on those seeds, ties counting 1/2 (rliable's definition) [95% CI]."], paired_text(pairs)))
+            f"shared seeds [{CI}]. P(improvement) is P(setting > baseline) in held-out accuracy, ties counting 1/2 "
+            f"[{CI}], and `P(improvement) over` says what it counts: `{PAIRED_OVER}`, the share of shared seeds on "
+            "which the setting's run is higher, each seed's pair of runs resampled together; or, only for a "
+            f"setting that shares no seed with the baseline, `{UNPAIRED_OVER}`, the share of all (setting run, "
+            "baseline run) pairs (rliable's definition), each side resampled independently."], paired_text(pairs)))
     tables.append(("Statistics over seeds", [
         "Per metric and setting: mean and interquartile mean (IQM, the mean of the middle 50% of runs; equal to "
-        "the mean below 4 seeds), each with its 95% CI. Routing and mismatch metrics are each run's mean over "
+        f"the mean below 4 seeds), each with its {CI}. Routing and mismatch metrics are each run's mean over "
         "steps, shown where logged."], statistics_text(stats)))
     return Sections(intro, tables), {"statistics": stats, "paired": pairs}
 
@@ -260,8 +295,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="where the report and figures go (default: the first DIR)")
     parser.add_argument("--baseline", help="the setting paired comparisons are taken against, spelled as in the "
                         "table's first column (default: the first setting)")
-    parser.add_argument("--collapse-drop", type=float, default=0.1, help="a run collapsed when its held-out "
-                        "accuracy ends more than this below its own best, or below its start (default: 0.1)")
+    parser.add_argument("--collapse-drop", type=float, default=0.1, help="a run collapsed when its final held-out "
+                        f"accuracy is below its own best by more than this and more than {NOISE_Z:g} binomial "
+                        "standard errors of the difference (on the run's task.eval_size prompts), or below its "
+                        "first evaluation by more than those standard errors; a run with no recorded eval size "
+                        "uses this for both (default: 0.1)")
     parser.add_argument("--bootstrap-seed", type=int, default=0, help="seeds every bootstrap, so a report is "
                         "reproducible (default: 0)")
     args = parser.parse_args(argv)

@@ -1,5 +1,5 @@
-"""gspo-report's tables as pandas DataFrames: per setting and metric the mean, IQM and 95% bootstrap intervals
-over seeds; the collapsed runs; paired comparisons against a baseline. Numbers stay numbers in the frames
+"""gspo-report's tables as pandas DataFrames: per setting and metric the mean, IQM and nominal 95% bootstrap
+intervals over seeds; the collapsed runs; paired comparisons against a baseline. Numbers stay numbers in the frames
 (written as CSV); `formatted` turns a row's estimate and interval into the text report.md and report.html
 show."""
 
@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from gspo_lab.report.stats import Interval, improvement_interval, iqm_interval, mean_interval
+from gspo_lab.report.stats import (Interval, improvement_interval, iqm_interval, mean_interval,
+                                   paired_improvement_interval)
 
 if TYPE_CHECKING:
     from gspo_lab.report.study import Study
@@ -24,6 +25,8 @@ PER_STEP = ("routing/changed_frac", "routing/changed_tokens_frac", "routing/over
             "rollout/unfilled_groups")  # run value: mean over steps, where logged (the last five: the limiters
 # of the objectives without clip/frac, and dynamic sampling)
 PAIRED = ("held-out accuracy", "final reward")
+PAIRED_OVER, UNPAIRED_OVER = "shared seeds (paired)", "all run pairs (unpaired)"  # what P(improvement) counted
+CI = "nominal 95% CI"  # with few seeds the real coverage is lower: stats.percentile_coverage
 
 
 def scores(study: Study, setting: str, metric: str) -> list[float]:
@@ -50,7 +53,7 @@ def statistics(study: Study, seed: int) -> pd.DataFrame:
 
 
 def settings_table(study: Study, stats: pd.DataFrame, collapse_drop: float) -> pd.DataFrame:
-    """One row per setting: seeds, collapsed runs, and the mean [95% CI] of each headline metric."""
+    """One row per setting: seeds, collapsed runs, and the mean [nominal 95% CI] of each headline metric."""
     rows = []
     for setting in study.settings():
         runs = study.of(setting)
@@ -63,9 +66,34 @@ def settings_table(study: Study, stats: pd.DataFrame, collapse_drop: float) -> p
     return pd.DataFrame(rows)
 
 
+def _paired_values(pairs: list, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """The metric of each (setting run, baseline run) pair where both logged it: (setting's, baseline's)."""
+    values = [(a.value(metric), b.value(metric)) for a, b in pairs]
+    x, y = np.array([v for v in values if not any(map(math.isnan, v))]).reshape(-1, 2).T
+    return x, y
+
+
+def _improvement(study: Study, setting: str, baseline: str, pairs: list, seed: int) -> dict:
+    """P(setting > baseline) in held-out accuracy: on the shared seeds, the share of seeds the setting wins
+    (paired resampling); only where no seed is shared, over all pairs of the two settings' runs (independent
+    resampling). `P(improvement) over` says which."""
+    metric = PAIRED[0]
+    if pairs:
+        x, y = _paired_values(pairs, metric)
+        estimate, over = paired_improvement_interval, PAIRED_OVER
+    else:
+        x, y = scores(study, setting, metric), scores(study, baseline, metric)
+        estimate, over = improvement_interval, UNPAIRED_OVER
+    if not len(x) or not len(y):
+        return {}
+    interval = estimate(x, y, seed)
+    return {**_columns("P(improvement)", interval), "P(improvement) over": over,
+            "P(improvement) no interval": interval.reason}
+
+
 def paired(study: Study, baseline: str, seed: int) -> pd.DataFrame:
     """Each other setting against `baseline` on the seeds both have: the mean paired difference of each PAIRED
-    metric and P(setting > baseline) of held-out accuracy, each with its 95% interval."""
+    metric with its nominal 95% interval; and P(setting > baseline) in held-out accuracy with its interval."""
     base = {run.seed: run for run in study.of(baseline) if run.seed is not None}
     rows = []
     for setting in study.settings():
@@ -74,12 +102,10 @@ def paired(study: Study, baseline: str, seed: int) -> pd.DataFrame:
         pairs = [(run, base[run.seed]) for run in study.of(setting) if run.seed in base]
         row = {"setting": setting, "shared seeds": len(pairs), "reason": "no shared seed" if not pairs else ""}
         for metric in PAIRED:
-            values = [(a.value(metric), b.value(metric)) for a, b in pairs]
-            x, y = np.array([v for v in values if not any(map(math.isnan, v))]).reshape(-1, 2).T
+            x, y = _paired_values(pairs, metric)
             if len(x):
                 row.update(_columns(f"Δ {metric}", mean_interval(x - y, seed)))
-                if metric == "held-out accuracy":
-                    row.update(_columns("P(improvement)", improvement_interval(x, y, seed)))
+        row.update(_improvement(study, setting, baseline, pairs, seed))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -110,20 +136,32 @@ def statistics_text(stats: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({
         "metric": stats.metric, "setting": stats.setting, "seeds": stats.seeds,
         "mean": stats["mean"].map(number),
-        "95% CI (mean)": [interval_text(r["mean low"], r["mean high"], r.seeds) for _, r in stats.iterrows()],
+        f"{CI} (mean)": [interval_text(r["mean low"], r["mean high"], r.seeds) for _, r in stats.iterrows()],
         "IQM": stats["IQM"].map(number),
-        "95% CI (IQM)": [interval_text(r["IQM low"], r["IQM high"], r.seeds) for _, r in stats.iterrows()],
+        f"{CI} (IQM)": [interval_text(r["IQM low"], r["IQM high"], r.seeds) for _, r in stats.iterrows()],
     })
 
 
+def _cell(row: pd.Series, prefix: str) -> str:
+    """A paired-table cell: 'value [low, high]', 'value [n/a (1 seed)]', or 'n/a (no shared seed)'."""
+    if prefix not in row or pd.isna(row[prefix]):
+        return f"n/a ({row['reason'] or 'not logged'})"
+    if prefix == "P(improvement)" and pd.isna(row["P(improvement) low"]):  # a side with one run: say so
+        return f"{number(row[prefix])} [n/a ({row['P(improvement) no interval']})]"
+    return formatted(row, prefix, "shared seeds")
+
+
 def paired_text(pairs: pd.DataFrame) -> pd.DataFrame:
-    """The paired frame as report.md shows it; a setting with no shared seed says so."""
+    """The paired frame as report.md shows it: a setting with no shared seed says so, and P(improvement) says
+    what it counted (shared seeds, or all run pairs)."""
     rows = []
     for _, row in pairs.iterrows():
         text = {"setting": row["setting"], "shared seeds": row["shared seeds"]}
         for prefix in (f"Δ {PAIRED[0]}", "P(improvement)", f"Δ {PAIRED[1]}"):
-            has = prefix in row and not pd.isna(row[prefix])
-            text[prefix] = formatted(row, prefix, "shared seeds") if has else f"n/a ({row['reason'] or 'not logged'})"
+            text[prefix] = _cell(row, prefix)
+            if prefix == "P(improvement)":
+                over = row.get("P(improvement) over")
+                text["P(improvement) over"] = "" if pd.isna(over) else over
         rows.append(text)
     return pd.DataFrame(rows)
 
