@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from gspo_lab.models import TinyModel
+from gspo_lab.rollout.generation import position_ids
 from gspo_lab.sharding import is_sharded, shard
+from tests.numerics import assert_rounding_close, logit_scale
 
 
 def run_two_processes(overrides: list[str], strategy: list[str], run_dir,
@@ -141,11 +143,12 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_each_rank_replays_its_slice_of_a_trace_bit_for_bit_like_one_process(strategy, tmp_path):
+def test_each_rank_replays_its_slice_of_a_trace_like_one_process(strategy, tmp_path):
     """A trace recorded in one process over a 4-row batch, then the routers moved: two gloo ranks (the model
-    replicated, or FSDP2-sharded) each replay their 2-row slice of it, and their log-probs equal, bit for bit,
-    one process replaying the same slice on the unsharded model."""
+    replicated, or FSDP2-sharded) each replay their 2-row slice of it, and their log-probs equal, to float
+    rounding, one process replaying the same slice on the unsharded model."""
     from gspo_lab.rollout import generate, token_logprobs
     from gspo_lab.routing import record_routing, replay_routing
     spec = {"arch": "qwen3_moe", "config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -175,6 +178,9 @@ def test_each_rank_replays_its_slice_of_a_trace_bit_for_bit_like_one_process(str
         rows = torch.arange(rank * 2, rank * 2 + 2)
         with torch.no_grad(), replay_routing(model, trace.rows(rows)):
             expected, _ = token_logprobs(model, ids[rows], mask[rows], C)
+            logits = model(input_ids=ids[rows], attention_mask=mask[rows], position_ids=position_ids(mask[rows])).logits
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert torch.equal(got["logp"], expected), (rank, (got["logp"] - expected).abs().max())
+        # the same experts replayed, so equal to rounding: one thread there, this process's threads here, and a
+        # sharded model's gathered weights, take other reduction orders (4.8e-7 measured: about 1 rounding)
+        assert_rounding_close(got["logp"], expected, scale=logit_scale(logits), units=16)
         assert got["override_frac"] > 0.05 and got["sharded"] == (strategy == "fsdp")

@@ -8,6 +8,7 @@ from transformers import Qwen3ForCausalLM
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout.generation import position_ids
 from gspo_lab.rollout.logprobs import LOGIT_SCALES, check_logprobs_match, token_logprobs
+from tests.numerics import assert_rounding_close, logit_scale
 
 SMALL = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
          "head_dim": 16, "intermediate_size": 32, "tie_word_embeddings": False}
@@ -26,6 +27,7 @@ def left_padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids.masked_fill(attention_mask == 0, 0), attention_mask
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("arch", sorted(POST_PROCESSING))
 def test_chunked_logprobs_equal_the_models_own_log_softmax(arch):
     torch.manual_seed(0)
@@ -43,7 +45,9 @@ def test_chunked_logprobs_equal_the_models_own_log_softmax(arch):
         head_only = (model.lm_head(hidden[:, -C - 1 : -1]) / temperature).log_softmax(-1)
         head_only = head_only.gather(-1, ids[:, -C:, None]).squeeze(-1)
     assert (head_only - reference).abs().max() > 0.1  # the post-processing matters here ...
-    torch.testing.assert_close(chunked, reference, rtol=0, atol=1e-6)  # ... and training applies it
+    # ... and training applies it: 2-row chunks and a 3-row batch take other GEMM blockings, so equal to rounding
+    # of the logits (up to |z / T| ~ 1,400 here); 16 roundings where 1-6 were measured across CPU kernels
+    assert_rounding_close(chunked, reference, scale=logit_scale(logits, temperature), units=16)
 
 
 def test_a_model_with_unknown_logit_post_processing_is_refused_when_it_loads(monkeypatch):

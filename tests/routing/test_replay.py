@@ -10,9 +10,11 @@ import torch
 
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import generate, token_logprobs
+from gspo_lab.rollout.generation import position_ids
 from gspo_lab.rollout.engine import noisy_routers
 from gspo_lab.routing import RoutingReplay, changed_fraction, record_routing, replay_routing, trace_from_routed_experts
 from gspo_lab.routing.adapters import find_routers
+from tests.numerics import assert_rounding_close, logit_scale
 
 # every family with a routing adapter, each a tiny config of transformers' own classes (conf/model/tiny_*.yaml)
 MOE_MODELS = ["tiny_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe", "tiny_deepseek_v3", "tiny_gpt_oss",
@@ -48,6 +50,7 @@ def perturb_routers(model):
             router.weight.add_(torch.randn_like(router.weight))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", MOE_MODELS)
 def test_replay_with_unchanged_weights_is_exact(name, tiny_family):
     model, tok = tiny_family(name)
@@ -57,7 +60,7 @@ def test_replay_with_unchanged_weights_is_exact(name, tiny_family):
     assert trace.indices.dtype == torch.uint8 and trace.indices.shape == (2, 4, ids.shape[1], top_k(model))
     with torch.no_grad(), replay_routing(model, trace) as stats, record_routing(model) as replayed:
         replayed_logp, _ = token_logprobs(model, ids, mask, C)
-    assert torch.equal(replayed_logp, natural)  # exactly, not approximately
+    assert torch.equal(replayed_logp, natural)  # bitwise: the same experts, operations and shapes in one process
     assert torch.equal(replayed.indices, trace.indices)
     assert stats.override_frac == 0 and stats.replayed > 0
 
@@ -150,6 +153,7 @@ def test_left_padding_does_not_change_a_rows_routing(name, tiny_family):
     assert torch.equal(a.indices[:, 0], b.indices[:, 0, -width:])
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", MOE_MODELS)
 def test_trace_slices_by_rows_for_minibatches(name, tiny_family):
     model, tok = tiny_family(name)
@@ -159,7 +163,10 @@ def test_trace_slices_by_rows_for_minibatches(name, tiny_family):
     rows = torch.tensor([3, 1])
     with torch.no_grad(), replay_routing(model, trace.rows(rows)):
         part, _ = token_logprobs(model, ids[rows], mask[rows], C)
-    assert torch.allclose(part, full[rows], atol=1e-6)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    # a 2-row and a 4-row batch take other GEMM blockings: equal to rounding of the logits
+    assert_rounding_close(part, full[rows], scale=logit_scale(logits), units=16)
     assert trace.bytes_per_token() == 2 * top_k(model) + 1  # 2 layers x top-k uint8, plus the recorded flag
 
 
