@@ -4,6 +4,7 @@ SLURM also requeues the job and the requeued job resumes by itself, and checkpoi
 pickled code."""
 
 import csv
+import math
 import os
 import pickle
 import re
@@ -163,12 +164,36 @@ def test_a_reward_function_that_raises(policy, compose, rl_overrides, caplog):
     module.task = FlakyArithmetic(format_weight=0.5, eval_size=32)
     torch.manual_seed(0)
     if policy == "raise":
-        with pytest.raises(RuntimeError, match="reward raised on prompt"):
+        with pytest.raises(RuntimeError, match=r"reward error \(RL step 0, prompt \d+, completion \d+\): KeyError\('bug in"):
             run.trainer.fit(module)
         return
     run.trainer.fit(module)
     assert module.history[-2]["reward/errors"] > 0
     assert "bug in the reward function" in caplog.text and "completion" in caplog.text
+
+
+class NonFiniteArithmetic(Arithmetic):
+    """A user's reward function with a numerical bug: NaN or inf on completions containing '7'."""
+
+    def reward(self, example, completion):
+        return float("nan") if "7" in completion else float("inf") if "3" in completion else super().reward(example, completion)
+
+
+@pytest.mark.parametrize("policy", ["zero", "raise"])
+def test_a_non_finite_reward_is_a_reward_error_at_its_source(policy, compose, rl_overrides, caplog):
+    """NaN or inf used to reach the advantages and end, steps later, in TooManySkippedUpdates advising a lower lr."""
+    run, module, _ = build(compose(rl_overrides + [f"train.on_reward_error={policy}"]))
+    module.task = NonFiniteArithmetic(format_weight=0.5, eval_size=32)
+    torch.manual_seed(0)
+    if policy == "raise":
+        with pytest.raises(RuntimeError, match=r"reward error \(RL step 0, prompt \d+, completion \d+\): ValueError\('the "
+                                               r"reward function returned (nan|inf)"):
+            run.trainer.fit(module)
+        return
+    run.trainer.fit(module)
+    assert module.history[-2]["reward/errors"] > 0 and module.history[0]["train/skipped_updates"] == 0
+    assert all(math.isfinite(row["reward/mean"]) for row in module.history if "reward/mean" in row)
+    assert re.search(r"reward error \(RL step 0, prompt \d+, completion \d+\).*returned (nan|inf)", caplog.text)
 
 
 @pytest.fixture(scope="module")
@@ -310,3 +335,21 @@ def test_reward_errors_are_counted_across_a_resume(compose, rl_overrides, tmp_pa
     resumed = fit("resumed", 4, str(tmp_path / "part" / "checkpoints" / "last.ckpt"))
     assert whole[1] > 0  # the flaky reward raised in the first two steps
     assert resumed == whole
+
+
+FSDP_ON_CPU = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.suppress_eos=true", "rollout.mask_truncated=true"],
+     r"rollout.mask_truncated=True is invalid: rollout.suppress_eos=true truncates every completion"),
+    (["model=tiny_dense", "algorithm=grpo_rr"], r"routing.replay=r2: Qwen3ForCausalLM is a dense model"),
+    (["model=tiny_dense", "routing.replay=r3"], r"routing.replay=r3: Qwen3ForCausalLM is a dense model"),
+    (FSDP_ON_CPU + ["rollout.engine.precision=bf16"], r"an engine copy of the weights is not supported with trainer=fsdp"),
+    (FSDP_ON_CPU + ["model.lora.enabled=true"], r"model.lora.enabled=true is not supported with trainer=fsdp"),
+])
+def test_settings_that_cannot_work_are_refused_by_the_plan_before_the_cold_start(overrides, message, compose, tmp_path):
+    """Each was accepted until the cold start had trained (or, for suppress_eos with mask_truncated, forever: every
+    row masked, a loss of 0 every step)."""
+    with pytest.raises(ConfigError, match=message):
+        plan(compose(overrides + [f"paths.output_dir={tmp_path}"]))

@@ -106,6 +106,9 @@ class RolloutConfig:
                  "rollout.temperature", self.temperature, "must be a finite number > 0")
         _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "rollout.top_p", self.top_p,
                  "must satisfy 0 < top_p <= 1")
+        _require(not (self.suppress_eos and self.mask_truncated), "rollout.mask_truncated", self.mask_truncated,
+                 "rollout.suppress_eos=true truncates every completion, so masking truncated ones leaves nothing to "
+                 "train on (the loss is 0 every step); turn one of them off")
 
     @property
     def batch_size(self) -> int:

@@ -105,13 +105,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         """trainer=fsdp (Lightning's ModelParallelStrategy) gives the module a [nodes, devices] device mesh:
         shard the policy with FSDP2 within a node and replicate it across nodes. Other strategies give no mesh
         and leave the model as it is. Every rank still trains on its own share of the prompts."""
-        if self.device_mesh is not None:
-            if self.lora is not None:
-                raise ValueError("model.lora.enabled=true is not supported with trainer=fsdp (untested); use "
-                                 "trainer=ddp or full training")
-            if self.engine.copy is not None:
-                raise ValueError("rollout.engine.precision / weight_bits: an engine copy of the weights is not "
-                                 "supported with trainer=fsdp (sharded weights); use trainer=ddp or the default engine")
+        if self.device_mesh is not None:  # LoRA and an engine copy are refused with fsdp by the plan (train.check_model)
             shard(self.model, self.device_mesh)
             if self.reference is not None:
                 shard(self.reference, self.device_mesh)

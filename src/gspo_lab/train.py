@@ -25,6 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab import CONFIG_DIR, SOURCE_ROOT
@@ -36,6 +37,7 @@ from gspo_lab.models.lora import apply_lora
 from gspo_lab.module import RLModule, TooManySkippedUpdates
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
+from gspo_lab.routing.adapters import find_routers
 from gspo_lab.sharding import full_state_dict, is_sharded
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ def plan(cfg: DictConfig) -> Plan:
         parts["train"].check_against(parts["rollout"], trainer.world_size)
         parts["routing"].check_against(parts["rollout"])
         check_rollout_correction(parts["objective"], parts["rollout"])
+        check_model(model_source, parts["routing"], parts["rollout"], trainer)
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error
     except (ValueError, FileNotFoundError) as error:
@@ -118,6 +121,21 @@ def check_rollout_correction(objective, rollout) -> None:
             "it corrects a trainer-computed π_old toward the engine's samples, and π_old is then the engine's own; "
             "set rollout.logprobs_from_generation=false"
         )
+
+
+def check_model(model_source, routing, rollout, trainer: L.Trainer) -> None:
+    """What the model and the strategy must support, checked on the architecture alone (`skeleton()`, on the
+    meta device) before the cold start or any weights: routing replay needs an MoE with a routing adapter, and
+    trainer=fsdp (sharded weights) takes neither LoRA nor an engine copy of the weights."""
+    if routing.replay != "off":
+        find_routers(model_source.skeleton(), f"routing.replay={routing.replay}")  # raises for dense / unsupported
+    if isinstance(trainer.strategy, ModelParallelStrategy):
+        if model_source.lora.enabled:
+            raise ValueError("model.lora.enabled=true is not supported with trainer=fsdp (untested); use "
+                             "trainer=ddp or full training")
+        if rollout.engine.copies_weights:
+            raise ValueError("rollout.engine.precision / weight_bits: an engine copy of the weights is not supported "
+                             "with trainer=fsdp (sharded weights); use trainer=ddp or the default engine")
 
 
 def resolve_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:

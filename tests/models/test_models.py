@@ -13,6 +13,8 @@ from transformers import AutoTokenizer
 from gspo_lab import CONFIG_DIR
 from gspo_lab.models import PretrainedModel, TinyModel, char_tokenizer
 from gspo_lab.rollout import generate, token_logprobs
+from gspo_lab.routing import is_moe
+from gspo_lab.routing.adapters import find_routers
 
 TINY_MODELS = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("tiny_*.yaml"))
 EXPECTED_CLASS = {
@@ -128,3 +130,15 @@ def test_gradient_checkpointing_recomputes_every_block_in_either_mode(mode):
         grads[checkpointing] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     assert block_calls == {False: 2, True: 4}  # two blocks, each run again in the backward pass
     assert torch.equal(grads[True], grads[False])
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("tiny_*.yaml")) + ["small_moe"])
+def test_the_skeleton_a_plan_checks_has_the_loaded_models_routers(name):
+    """train.check_model decides on the architecture built on the meta device; it must see what loading builds."""
+    source = instantiate(OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml"))
+    skeleton = source.skeleton()
+    assert all(p.device.type == "meta" for p in skeleton.parameters())  # nothing allocated
+    model, _ = source.load()
+    assert is_moe(skeleton) == is_moe(model)
+    if is_moe(model):
+        assert [n for n, _, _ in find_routers(skeleton, "test")] == [n for n, _, _ in find_routers(model, "test")]

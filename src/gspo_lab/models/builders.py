@@ -113,6 +113,10 @@ class TinyModel:
         """This model's settings applied to a checkpoint of it (the cached cold start)."""
         return load_pretrained(path, self.dtype, self.gradient_checkpointing, self.experts_implementation)
 
+    def skeleton(self) -> PreTrainedModel:
+        """The architecture on the meta device (no weights, no tokenizer): what a plan can check cheaply."""
+        return _on_meta(AutoConfig.for_model(self.arch, **self.config))
+
 
 @dataclass
 class PretrainedModel:
@@ -147,6 +151,10 @@ class PretrainedModel:
     def load_from(self, path: str | Path):
         return load_pretrained(path, self.dtype, self.gradient_checkpointing, self.experts_implementation)
 
+    def skeleton(self) -> PreTrainedModel:
+        """The checkpoint's architecture on the meta device, from its config.json alone."""
+        return _on_meta(AutoConfig.from_pretrained(Path(self.path).expanduser(), local_files_only=True))
+
     def fingerprint(self) -> str:
         """A hash of the checkpoint folder's contents (`checkpoint_fingerprint`), for cache keys."""
         return checkpoint_fingerprint(Path(self.path).expanduser())
@@ -168,6 +176,11 @@ def checkpoint_fingerprint(folder: Path, block: int = 1 << 24) -> str:
             while chunk := file.read(block):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def _on_meta(config) -> PreTrainedModel:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def load_pretrained(path, dtype="float32", gradient_checkpointing=False, experts_implementation=None):

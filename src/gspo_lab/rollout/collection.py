@@ -6,6 +6,7 @@ old-policy and reference log-probs, and the rollout's metrics. The update half s
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import nullcontext
 
@@ -72,7 +73,10 @@ class RolloutCollection:
         examples = self.prompts.for_step(step, self.global_rank, self.trainer.world_size, sampling_round)
         grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
         completions = self.sample([e.prompt for e in grouped], metrics)
-        rewards = torch.tensor([self.score(e, text) for e, text in zip(grouped, completions.texts)])
+        rewards = torch.tensor([
+            self.score(example, text, f"RL step {step}, prompt {row // cfg.group_size}, completion {row % cfg.group_size}")
+            for row, (example, text) in enumerate(zip(grouped, completions.texts))
+        ])
         if self.train_cfg.shuffle_rewards:  # negative control: rewards no longer belong to their completions
             rewards = rewards[torch.randperm(len(rewards))]
         prompt_len = completions.prompt_ids.shape[1]
@@ -122,15 +126,23 @@ class RolloutCollection:
         completion_mask = rows.attention_mask[:, -rows.completion_len :]
         return {**metrics, **mismatch_metrics(train_logp, rows.rollout_logp, completion_mask)}
 
-    def score(self, example: Example, completion: str) -> float:
-        """The task's reward; a reward function that raises is reported, counted and scored 0."""
+    def score(self, example: Example, completion: str, where: str) -> float:
+        """The task's reward. A reward function that raises, or returns NaN or ±inf (which would reach the
+        advantages and end several steps later in skipped updates), is a reward error: reported with `where` (the
+        step, the prompt's index in this rank's share, the completion's in its group), counted in reward/errors
+        and scored 0, or, with train.on_reward_error=raise, stops the run."""
         try:
-            return float(self.task.reward(example, completion))
+            reward = float(self.task.reward(example, completion))
+            if not math.isfinite(reward):
+                raise ValueError(f"the reward function returned {reward}")
+            return reward
         except Exception as error:  # noqa: BLE001 - a user's reward function may raise anything
             if self.train_cfg.on_reward_error == "raise":
-                raise RuntimeError(f"reward raised on prompt {example.prompt!r}, completion {completion!r}") from error
+                raise RuntimeError(f"reward error ({where}): {error!r}; prompt {example.prompt!r}, completion "
+                                   f"{completion!r}") from error
             self.reward_errors += 1
-            log.warning("reward raised %r on prompt %r, completion %r; scored 0", error, example.prompt, completion)
+            log.warning("reward error (%s): %r on prompt %r, completion %r; scored 0 (train.on_reward_error=zero)",
+                        where, error, example.prompt, completion)
             return 0.0
 
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, float]:
