@@ -52,3 +52,9 @@ def assert_rounding_close(actual: torch.Tensor, expected: torch.Tensor, scale: f
     worst = float((actual.double() - expected.double()).abs().max()) if actual.numel() else 0.0
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert worst <= bound, f"largest difference {worst:.3g} > {units} x eps({dtype}) x {scale:.3g} = {bound:.3g}"
+
+
+# An on-policy ratio exp(mean_t (log π - log π_old)) from two computations of the same log-probs (generation's
+# step-by-step logits and a training forward): the tiny models' log-probs (|z / T| + log V up to about 10) agree to
+# 8 roundings, so |ratio - 1| <= 8 x eps x 10 = 9.5e-6.
+RATIO_ROUNDING = rounding_tolerance(10.0, units=8)
