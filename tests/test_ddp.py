@@ -39,5 +39,5 @@ def test_ddp_two_processes_shard_prompts_and_keep_parameters_identical(steps, sa
         assert float(rows[1]["kl/ref"]) > 0 and (run_dir / "final" / "adapter" / "adapter_config.json").is_file()
     if sampling == DYNAMIC:  # some step needed a further round on some rank, and no batch kept a zero-std group
         assert max(float(r["rollout/sampling_rounds"]) for r in rows[:steps]) > 1
-        assert all(float(r["reward/frac_zero_std"]) == 0 for r in rows[:steps])
+        assert all(float(r["trained/reward/frac_zero_std"]) == 0 for r in rows[:steps])
     assert list(run_dir.glob("checkpoints/*.ckpt")) and (run_dir / "final" / "config.json").is_file()

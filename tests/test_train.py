@@ -22,7 +22,7 @@ from tests.numerics import RATIO_ROUNDING
 
 CONTRACT_COLUMNS = [
     "step", "reward/mean", "reward/std", "reward/frac_zero_std", "eval/accuracy", "clip/frac", "clip/frac_low",
-    "clip/frac_high", "clip/seq_frac", "ratio/mean", "ratio/max", "kl/old", "entropy", "completion/len_mean",
+    "clip/frac_high", "clip/seq_frac", "ratio/seq/mean", "ratio/seq/max", "ratio/token/max", "kl/old", "entropy", "completion/len_mean",
     "completion/truncated_frac", "grad_norm", "time/rollout_s", "time/update_s", "throughput/tokens_per_s",
 ]
 TIMING = ("time/", "throughput/")
@@ -138,8 +138,8 @@ REGULARISERS = {
 def assert_on_policy(run_dir):
     """Each RL step's only update saw GSPO sequence ratios of 1 up to float rounding and clipped nothing."""
     for row in read_rows(run_dir)[:2]:  # the two RL steps
-        assert abs(float(row["ratio/max"]) - 1) <= RATIO_ROUNDING
-        assert abs(float(row["ratio/min"]) - 1) <= RATIO_ROUNDING
+        assert abs(float(row["ratio/seq/max"]) - 1) <= RATIO_ROUNDING
+        assert abs(float(row["ratio/seq/min"]) - 1) <= RATIO_ROUNDING
         assert float(row["clip/frac"]) == 0
 
 
@@ -168,7 +168,7 @@ def test_replay_on_the_first_mini_batch_overrides_nothing_and_ratios_are_one(ove
     assert all(shared_calls) and len(shared_calls) >= 2 * shared  # the replayed update's forward among them
     first = module.history[0]
     assert first["routing/override_frac"] == 0
-    assert abs(first["ratio/max"] - 1) <= RATIO_ROUNDING and abs(first["ratio/min"] - 1) <= RATIO_ROUNDING
+    assert abs(first["ratio/token/max"] - 1) <= RATIO_ROUNDING and abs(first["ratio/token/min"] - 1) <= RATIO_ROUNDING
     assert first["clip/frac"] == 0
     assert first["grad_norm"] > 0  # an update really ran under replay
 

@@ -341,7 +341,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def reduction(key: str) -> str:
-    """How a metric combines across mini-batches and ranks: ratio/max by max, ratio/min by min, else mean."""
+    """How a metric combines across mini-batches and ranks: */max by max, */min by min, else mean."""
     return "max" if key.endswith("/max") else "min" if key.endswith("/min") else "mean"
 
 

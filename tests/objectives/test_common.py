@@ -20,7 +20,7 @@ def test_on_policy_ratio_is_one_and_nothing_clips(obj, random_batch):
     _, old, adv, mask = random_batch()
     out = obj(old, old, adv, mask)
     m = out.metrics
-    assert m["ratio/mean"] == 1 and m["ratio/min"] == 1 and m["ratio/max"] == 1
+    assert all(m[f"ratio/{level}/{stat}"] == 1 for level in ("seq", "token") for stat in ("mean", "min", "max"))
     assert m["clip/frac"] == 0 and m["clip/seq_frac"] == 0 and m["kl/old"] == 0
 
 
@@ -84,7 +84,7 @@ def test_log_ratio_clamp_fires_and_is_counted():
     adv = torch.tensor([1.0], dtype=torch.float64)
     grpo = GRPO(0.5, 0.5, log_ratio_clamp=0.1)(logp, old, adv, torch.ones(1, 2))
     assert grpo.metrics["ratio/clamp_frac"].item() == pytest.approx(0.5)  # only the 0.3 token
-    assert grpo.metrics["ratio/max"].item() == pytest.approx(math.exp(0.1))
+    assert grpo.metrics["ratio/token/max"].item() == pytest.approx(math.exp(0.3))  # the ratio, before the clamp
     assert GRPO(0.5, 0.5)(logp, old, adv, torch.ones(1, 2)).metrics["ratio/clamp_frac"] == 0
     gspo = GSPO(0.5, 0.5, log_ratio_clamp=0.1)(logp, old, adv, torch.ones(1, 2))  # seq log-ratio 0.175
     assert gspo.metrics["ratio/clamp_frac"].item() == 1

@@ -124,8 +124,9 @@ def test_gmpo_clips_token_log_ratios_on_the_trust_region_side_before_the_geometr
     assert torch.allclose(g, grad([[0, -r0 / 4, 0], [r1 / 6, 0, r1 / 6]]), atol=1e-12, rtol=0)
     m = out.metrics
     assert (m["clip/frac_high"].item(), m["clip/frac_low"].item()) == pytest.approx((1 / 5, 1 / 5))
-    assert m["clip/seq_frac"].item() == pytest.approx((1 / 2 + 1 / 3) / 2)
-    assert m["ratio/mean"].item() == pytest.approx((r0 + r1) / 2, abs=1e-12)
+    assert m["clip/seq_frac"].item() == 1  # both sequences have a clipped token
+    # ratio/seq/* is the unclipped s_i of every objective: mean log w of row 0 -0.05, of row 1 0
+    assert m["ratio/seq/mean"].item() == pytest.approx((math.exp(-0.05) + 1) / 2, abs=1e-12)
 
 
 def test_luspo_weighs_each_sequence_by_its_length(make):

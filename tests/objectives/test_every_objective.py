@@ -37,7 +37,8 @@ def test_on_policy_ratio_is_one_and_nothing_is_clipped_or_gated(objective, rando
     logp = old.clone().requires_grad_(True)
     out = objective(logp, old, adv, mask)
     m = out.metrics
-    assert m["ratio/mean"] == 1 and m["ratio/min"] == 1 and m["ratio/max"] == 1 and m["kl/old"] == 0
+    assert all(m[f"ratio/{level}/{stat}"] == 1 for level in ("seq", "token") for stat in ("mean", "min", "max"))
+    assert m["kl/old"] == 0
     own = {k: v.item() for k, v in m.items() if not k.startswith(SHARED)}
     assert own, "the surrogate or the ratio reports what it limits"
     for key, value in own.items():
@@ -103,4 +104,4 @@ def test_empty_rows_are_left_out_and_counted(objective, random_batch):
 
 def test_low_precision_inputs_are_computed_in_float32(objective, random_batch):
     out = objective(*random_batch(dtype=torch.bfloat16))
-    assert out.loss.dtype == torch.float32 and out.metrics["ratio/mean"].dtype == torch.float32
+    assert out.loss.dtype == torch.float32 and out.metrics["ratio/seq/mean"].dtype == torch.float32

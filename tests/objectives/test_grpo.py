@@ -25,7 +25,9 @@ def test_grpo_hand_computed():
     assert m["clip/frac"].item() == pytest.approx(3 / 5)
     assert m["clip/frac_low"].item() == 0  # the low token has A > 0
     assert m["clip/seq_frac"].item() == pytest.approx((0 + 1) / 2)
-    assert m["ratio/mean"].item() == pytest.approx((w[0] + w[1] + 3 * math.exp(0.3)) / 5, abs=1e-12)
+    assert m["ratio/token/mean"].item() == pytest.approx((w[0] + w[1] + 3 * math.exp(0.3)) / 5, abs=1e-12)
+    # the sequence ratio is reported for every objective: row 0 exp((0.1 - 0.3) / 2), row 1 exp(0.3)
+    assert m["ratio/seq/mean"].item() == pytest.approx((math.exp(-0.1) + math.exp(0.3)) / 2, abs=1e-12)
     out.loss.backward()
     # d loss / d logp_0,t = -(1/2)(1/2) w_t A for unclipped tokens; clipped tokens and padding get 0
     expected = torch.tensor([[-w[0] / 4, -w[1] / 4, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
@@ -48,4 +50,4 @@ def test_grpo_lower_clip_binds_for_negative_advantage():
     )
     assert out.loss.item() == pytest.approx((0.8 + 1.0) / 2)  # second token on-policy: -(1 × -1) = 1
     assert out.metrics["clip/frac_low"].item() == pytest.approx(0.5)
-    assert out.metrics["clip/seq_frac"].item() == pytest.approx(0.5)
+    assert out.metrics["clip/seq_frac"].item() == 1  # the one sequence has a clipped token (one of its two)

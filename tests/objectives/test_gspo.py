@@ -25,9 +25,10 @@ def test_gspo_hand_computed():
     assert m["clip/frac_high"].item() == pytest.approx(3 / 5)
     assert m["clip/frac_low"].item() == 0
     assert m["clip/seq_frac"].item() == pytest.approx(1 / 2)  # one of two sequences
-    assert m["ratio/mean"].item() == pytest.approx((s0 + s1) / 2, abs=1e-12)  # sequence ratios
-    assert m["ratio/min"].item() == pytest.approx(s0, abs=1e-12)
-    assert m["ratio/max"].item() == pytest.approx(s1, abs=1e-12)
+    assert m["ratio/seq/mean"].item() == pytest.approx((s0 + s1) / 2, abs=1e-12)  # sequence ratios
+    assert m["ratio/seq/min"].item() == pytest.approx(s0, abs=1e-12)
+    assert m["ratio/seq/max"].item() == pytest.approx(s1, abs=1e-12)
+    assert m["ratio/token/max"].item() == pytest.approx(math.exp(0.3), abs=1e-12)  # token ratios: row 1's
     # k3 of KL(old || new) per token: e^x - 1 - x for x in (0.1, -0.3, 0.3, 0.3, 0.3)
     expected_kl = sum(math.exp(x) - 1 - x for x in (0.1, -0.3, 0.3, 0.3, 0.3)) / 5
     assert m["kl/old"].item() == pytest.approx(expected_kl, abs=1e-12)
@@ -86,7 +87,7 @@ def test_gspo_token_equals_gspo_for_sequence_advantages(length_norm):
     assert torch.allclose(grad_a, grad_b, atol=1e-12, rtol=0)
     assert grad_a.abs().sum() > 0  # not vacuous: some sequences are inside the clip range
     assert m_a["clip/frac"] > 0  # ... and some outside
-    for key in ("clip/frac", "clip/seq_frac", "ratio/mean", "ratio/max", "kl/old"):
+    for key in ("clip/frac", "clip/seq_frac", "ratio/seq/mean", "ratio/seq/max", "ratio/token/max", "kl/old"):
         assert m_a[key] == pytest.approx(m_b[key].item())
 
 

@@ -200,17 +200,17 @@ def test_csv_tables_and_a_reproducible_report(sweep, tmp_path):
                                  "routing/changed_frac"}  # routing logged, mismatch not
 
 
-def test_ratio_spread_is_the_mean_over_steps_of_max_minus_min(tmp_path):
-    """Two runs with ratio/max, ratio/min per step (1.2, 0.9) then (1.5, 0.5): spreads 0.3 and 1.0, mean 0.65;
+def test_seq_ratio_spread_is_the_mean_over_steps_of_max_minus_min(tmp_path):
+    """Two runs with ratio/seq/max, ratio/seq/min per step (1.2, 0.9) then (1.5, 0.5): spreads 0.3 and 1.0, mean 0.65;
     the other run (1.1, 1.0) twice: 0.1. Their mean over seeds is 0.375."""
     for seed, steps in enumerate([[(1.2, 0.9), (1.5, 0.5)], [(1.1, 1.0), (1.1, 1.0)]]):
         run = tmp_path / "sweep" / str(seed)
         write_run(run, ["algorithm=gspo", f"seed={seed}"], [0.1, 0.2])
         rows = "".join(f"{step},{high},{low}\n" for step, (high, low) in enumerate(steps))
-        (run / "metrics.csv").write_text("step,ratio/max,ratio/min\n" + rows)
+        (run / "metrics.csv").write_text("step,ratio/seq/max,ratio/seq/min\n" + rows)
     report([tmp_path / "sweep"], tmp_path / "out")
     stats = pd.read_csv(tmp_path / "out" / "statistics.csv").set_index("metric")
-    assert stats.loc["ratio spread", "mean"] == pytest.approx(0.375)
+    assert stats.loc["seq ratio spread", "mean"] == pytest.approx(0.375)
 
 
 def test_a_baseline_that_matches_no_setting_is_refused_naming_the_settings(sweep, tmp_path):

@@ -14,7 +14,9 @@ from gspo_lab.train import build
 from tests.numerics import RATIO_ROUNDING
 
 PAD = 0
-NEW_METRICS = ("rollout/sampling_rounds", "rollout/unfilled_groups", "rollout/frac_zero_std_sampled")
+TRAINED = ("trained/reward/mean", "trained/reward/std", "trained/reward/frac_zero_std", "trained/completion/len_mean",
+           "trained/completion/truncated_frac")  # the batch trained on, beside reward/* of the step's own prompts
+NEW_METRICS = ("rollout/sampling_rounds", "rollout/unfilled_groups", "rollout/frac_zero_std_sampled") + TRAINED
 
 
 def sampled_round(tag: int, rewards: list[float], prompt_len: int, completion_len: int) -> SampledRound:
@@ -79,16 +81,18 @@ SMALL_GROUPS = ["rollout.group_size=2", "rollout.prompts_per_step=8"]
 @pytest.mark.numerics
 def test_a_filtered_step_holds_only_informative_groups_and_replays_the_engine_exactly(compose, rl_overrides):
     """Step 0 needs further rounds; its batch then has no zero-std group, the same size, and (one on-policy
-    update, r3) the experts recorded in rounds of their own replay with nothing overridden and ratios of 1."""
+    update, r3) the experts recorded in rounds of their own replay with nothing overridden and ratios of 1.
+    reward/* still describe the step's own prompts (round 0, zero-std groups included); trained/* the batch."""
     overrides = SMALL_GROUPS + ["rollout.filter_zero_std_groups=true", "routing.replay=r3", "train.minibatches=1"]
     run, module, _ = build(compose(rl_overrides + overrides))
     run.trainer.fit(module)
     first = module.history[0]
     assert first["rollout/sampling_rounds"] > 1 and first["rollout/frac_zero_std_sampled"] > 0
-    assert first["reward/frac_zero_std"] == 0 and first["rollout/unfilled_groups"] == 0
+    assert first["trained/reward/frac_zero_std"] == 0 and first["rollout/unfilled_groups"] == 0
+    assert first["reward/frac_zero_std"] > 0  # round 0 as sampled: the policy's reward, not the filtered batch's
     assert first["rollout/completions"] == 16
     assert first["routing/override_frac"] == 0
-    assert abs(first["ratio/max"] - 1) <= RATIO_ROUNDING and abs(first["ratio/min"] - 1) <= RATIO_ROUNDING
+    assert abs(first["ratio/seq/max"] - 1) <= RATIO_ROUNDING and abs(first["ratio/seq/min"] - 1) <= RATIO_ROUNDING
     assert first["clip/frac"] == 0
 
 
@@ -104,5 +108,6 @@ def test_one_sampling_round_changes_nothing_but_counts_the_unfilled_groups(compo
         assert one_round == off
         if added:  # the RL steps (not the final evaluation row)
             assert added["rollout/sampling_rounds"] == 1
+            assert all(added[f"trained/{key}"] == off[key] for key in ("reward/mean", "completion/len_mean"))
             assert added["rollout/unfilled_groups"] == pytest.approx(off["reward/frac_zero_std"] * 8)
     assert histories["off"][0]["reward/frac_zero_std"] > 0  # there was something to filter

@@ -51,11 +51,10 @@ class MaskedBatch:
 
 @dataclass(frozen=True)
 class Ratio:
-    """What a ratio axis returns: the ratio used in the surrogate and the values reported as ratio/*."""
+    """What a ratio axis returns: the ratio used in the surrogate, and where its clamp fired."""
 
     per_token: Tensor  # [B, T] ratio entering the surrogate
-    reported: Tensor  # [N] sequence ratios (GSPO) or token ratios (GRPO) of valid rows/tokens
-    clamp_fired: Tensor  # [N] bool, where the optional log-ratio clamp changed a value
+    clamp_fired: Tensor  # [B, T] bool, tokens whose ratio the optional log-ratio clamp changed (a sequence's: all)
     metrics: dict[str, Tensor] = field(default_factory=dict)  # a ratio that clips itself (GMPO) reports clip/*
 
 
@@ -97,7 +96,8 @@ def clip_fractions(low: Tensor, high: Tensor, batch: MaskedBatch) -> dict[str, T
         "clip/frac": masked_mean(either, mask),
         "clip/frac_low": masked_mean(low, mask),
         "clip/frac_high": masked_mean(high, mask),
-        "clip/seq_frac": masked_mean(masked_mean(either, mask, dim=-1), rows),
+        # sequences where the clip binds on any token: for GSPO (all tokens or none) the clipped sequences
+        "clip/seq_frac": masked_mean((masked_mean(either, mask, dim=-1) > 0).to(mask.dtype), rows),
     }
 
 
@@ -224,17 +224,21 @@ class Objective:
         return MaskedBatch(logp, old_logp, adv, fmask, lengths, lengths > 0)
 
     def _metrics(self, batch: MaskedBatch, ratio: Ratio) -> dict[str, Tensor]:
-        """The metrics every objective reports, whatever its axes."""
+        """The metrics every objective reports, whatever its axes, each with one meaning for all objectives:
+        ratio/seq/* the length-normalised sequence ratios s_i = exp(mean_t log π/π_old) (what GSPO clips),
+        ratio/token/* the token ratios π/π_old (what GRPO clips), ratio/clamp_frac the valid tokens whose ratio
+        the log-ratio clamp changed."""
         with torch.no_grad():
-            mask = batch.mask
-            reported, fired = ratio.reported.detach(), ratio.clamp_fired.to(mask.dtype)
-            if reported.numel() == 0:  # no valid token at all: report the on-policy values
-                reported, fired = mask.new_ones(1), mask.new_zeros(1)
+            mask, valid = batch.mask, batch.mask.bool()
+            log_w = batch.logp.detach() - batch.old_logp  # [B, T]
+            seq = torch.exp((log_w * mask).sum(-1) / batch.lengths.clamp(min=1))[batch.valid_rows]  # s_i  [N_rows]
+            token = torch.exp(log_w[valid])  # w_i,t  [N_tokens]
+            if token.numel() == 0:  # no valid token at all: report the on-policy values
+                seq = token = mask.new_ones(1)
             return {
-                "ratio/mean": reported.mean(),
-                "ratio/min": reported.min(),
-                "ratio/max": reported.max(),
-                "ratio/clamp_frac": fired.mean(),
+                "ratio/seq/mean": seq.mean(), "ratio/seq/min": seq.min(), "ratio/seq/max": seq.max(),
+                "ratio/token/mean": token.mean(), "ratio/token/min": token.min(), "ratio/token/max": token.max(),
+                "ratio/clamp_frac": masked_mean(ratio.clamp_fired.to(mask.dtype), mask),
                 "kl/old": masked_mean(k3(batch.logp.detach(), batch.old_logp), mask),
                 "mask/empty_rows": (~batch.valid_rows).sum().to(mask.dtype),
                 "mask/valid_tokens": mask.sum(),

@@ -68,8 +68,7 @@ class TokenRatio:
     def __call__(self, batch: MaskedBatch) -> Ratio:
         log_w, fired = clamp_log_ratio(batch.logp - batch.old_logp, self.log_ratio_clamp)  # log w_i,t  [B, T]
         w = torch.exp(log_w)  # w_i,t = π_θ / π_old  [B, T]
-        valid = batch.mask.bool()
-        return Ratio(w, w.detach()[valid], fired[valid])
+        return Ratio(w, fired)
 
 
 @dataclass(frozen=True)
@@ -94,8 +93,7 @@ class SequenceRatio:
         log_s, fired = clamp_log_ratio(sequence_log_ratio(batch, self.length_norm), self.log_ratio_clamp)
         s = torch.exp(log_s)  # s_i  [B]
         per_token = s[:, None].expand_as(batch.logp)  # every token of sequence i carries s_i  [B, T]
-        rows = batch.valid_rows
-        return Ratio(per_token, s[rows], fired[rows])
+        return Ratio(per_token, fired[:, None].expand_as(batch.logp))
 
 
 @dataclass(frozen=True)
@@ -123,8 +121,7 @@ class SequenceTokenRatio:
         weight = weight * (~fired)[:, None]  # a clamped sequence: the gradient of clamp(log s_i), 0, on each token
         # s_i,t = sg[s_i] · π(y_i,t) / sg[π(y_i,t)]: value s_i, gradient s_i ∇ log π(y_i,t)
         per_token = s.detach()[:, None] * torch.exp(weight * (batch.logp - batch.logp.detach()))  # [B, T]
-        rows = batch.valid_rows
-        return Ratio(per_token, s.detach()[rows], fired[rows])
+        return Ratio(per_token, fired[:, None].expand_as(batch.logp))
 
 
 @dataclass(frozen=True)
@@ -158,7 +155,5 @@ class GeometricMeanRatio:
         r = torch.exp(log_r)  # [B]
         with torch.no_grad():
             metrics = clip_fractions((log_w < -self.clip_low) & (adv < 0), (log_w > self.clip_high) & (adv > 0), batch)
-        rows = batch.valid_rows
-        fired = torch.zeros_like(r, dtype=torch.bool)
-        return Ratio(r[:, None].expand_as(log_w), r.detach()[rows], fired[rows], metrics)
+        return Ratio(r[:, None].expand_as(log_w), torch.zeros_like(log_w, dtype=torch.bool), metrics)
 

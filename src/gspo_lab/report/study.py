@@ -58,12 +58,13 @@ class Run:
         return read_metrics(self.path)
 
     def value(self, metric: str) -> float:
-        """The run's figure for `metric` (NaN where it was not logged); "accuracy gain" is after - before, "ratio
-        spread" the mean over steps of ratio/max - ratio/min."""
+        """The run's figure for `metric` (NaN where it was not logged); "accuracy gain" is after - before, "seq ratio
+        spread" the mean over steps of ratio/seq/max - ratio/seq/min (the sequence ratios every objective logs)."""
         if metric == "accuracy gain":
             return self.summary["eval/accuracy_after"] - self.summary["eval/accuracy_before"]
-        if metric == "ratio spread":
-            spreads = [r["ratio/max"] - r["ratio/min"] for r in self.rows if not math.isnan(r.get("ratio/max", math.nan))]
+        if metric == "seq ratio spread":
+            spreads = [r["ratio/seq/max"] - r["ratio/seq/min"] for r in self.rows
+                       if not math.isnan(r.get("ratio/seq/max", math.nan))]
             return sum(spreads) / len(spreads) if spreads else math.nan
         key = SUMMARY_KEYS.get(metric, metric)
         if key in self.summary:

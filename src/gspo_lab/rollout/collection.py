@@ -30,8 +30,13 @@ class RolloutCollection:
         """This rank's rollout batch; adds the rollout's timings and the engine-trainer mismatch to `metrics`."""
         cfg = self.rollout_cfg
         sampled = self.sample_round(step, 0, metrics)
+        # reward/* and completion/* describe the policy on the step's own prompts, filtered or not
+        metrics.update(sample_metrics(sampled.rewards, sampled.completions, cfg.group_size))
         if cfg.filter_zero_std_groups:
             sampled = self.resample_zero_std_groups(step, sampled, metrics)
+            # the batch trained on (no all-equal groups, so no all-correct ones): names of its own
+            trained = sample_metrics(sampled.rewards, sampled.completions, cfg.group_size)
+            metrics.update({f"trained/{key}": value for key, value in trained.items()})
         completions, rewards, rollout_trace = sampled.completions, sampled.rewards, sampled.rollout_trace
         loss_mask = completions.completion_mask
         if cfg.mask_truncated:
@@ -146,14 +151,20 @@ class RolloutCollection:
             return 0.0
 
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, float]:
-        lengths = batch.attention_mask[:, -batch.completion_len :].sum(-1).float()
         return {
             "rollout/completions": float(len(batch.rewards)),  # this rank's; the mean over ranks is logged
             "rollout/width": float(batch.input_ids.shape[1]),  # padded prompt + completion positions per row
-            "reward/mean": batch.rewards.mean().item(),
-            "reward/std": batch.rewards.std(unbiased=False).item(),
-            "reward/frac_zero_std": frac_zero_std(batch.rewards, self.rollout_cfg.group_size).item(),
             "reward/errors": float(self.reward_errors),
-            "completion/len_mean": lengths.mean().item(),
-            "completion/truncated_frac": batch.truncated.float().mean().item(),
         }
+
+
+def sample_metrics(rewards: torch.Tensor, completions: Completions, group_size: int) -> dict[str, float]:
+    """reward/mean, reward/std, reward/frac_zero_std, completion/len_mean and completion/truncated_frac of sampled
+    completions (rewards [N], groups contiguous)."""
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std(unbiased=False).item(),
+        "reward/frac_zero_std": frac_zero_std(rewards, group_size).item(),
+        "completion/len_mean": completions.completion_mask.sum(-1).float().mean().item(),
+        "completion/truncated_frac": completions.truncated.float().mean().item(),
+    }
