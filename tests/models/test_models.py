@@ -90,7 +90,7 @@ def test_hf_loads_a_checkpoint_this_test_saved(tmp_path):
     loaded, loaded_tok = instantiate(cfg).load()
     assert type(loaded).__name__ == "Qwen3MoeForCausalLM"
     batch = tok(["12+3="], return_tensors="pt")
-    assert torch.equal(loaded(**batch).logits, model(**batch).logits)
+    assert torch.equal(loaded(**batch).logits, model(**batch).logits)  # bitwise: same weights, ops and shapes
     assert loaded_tok("12+3=")["input_ids"] == tok("12+3=")["input_ids"]
     bf16, _ = PretrainedModel(path=str(tmp_path / "ckpt"), dtype="bfloat16", gradient_checkpointing=True).load()
     assert next(bf16.parameters()).dtype == torch.bfloat16
@@ -129,7 +129,7 @@ def test_gradient_checkpointing_recomputes_every_block_in_either_mode(mode):
         block_calls[checkpointing] = len(calls)
         grads[checkpointing] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     assert block_calls == {False: 2, True: 4}  # two blocks, each run again in the backward pass
-    assert torch.equal(grads[True], grads[False])
+    assert torch.equal(grads[True], grads[False])  # bitwise: recomputation repeats the same ops on the same shapes
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("tiny_*.yaml")) + ["small_moe"])
