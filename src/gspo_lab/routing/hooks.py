@@ -122,14 +122,54 @@ def record_routing(model: torch.nn.Module, prompt_len: int | None = None) -> Ite
 
 @dataclass
 class ReplayStats:
-    """How often replay overrode the router's own choice: (token, layer) pairs whose expert set differed."""
+    """How often replay overrode the router's own choice: (token, layer) pairs whose expert set differed. The
+    counts stay on the model's device, as tensors once a layer has counted, until `override_frac` reads them:
+    reading them in every MoE layer would make the host wait for the GPU there."""
 
-    overridden: int = 0
-    replayed: int = 0
+    overridden: Tensor | int = 0
+    replayed: Tensor | int = 0
 
     @property
     def override_frac(self) -> float:
-        return self.overridden / self.replayed if self.replayed else 0.0
+        """The fraction, copied from the device once."""
+        overridden, replayed = torch.stack([torch.as_tensor(self.overridden), torch.as_tensor(self.replayed)]).tolist()
+        return overridden / replayed if replayed else 0.0
+
+
+class _Replayer:
+    """The hook of replay_routing. The trace and `valid` are copied to the routers' device once, at the first
+    MoE layer, and cut to a decoder call's rows and columns once per call, so each layer takes its slice on the
+    device: no copy between host and device, and no wait for one, in any layer."""
+
+    def __init__(self, trace: RoutingTrace, valid: Tensor | None) -> None:
+        self.trace, self.valid = trace, valid
+        self.stats = ReplayStats()
+        self._call: tuple[CallView, RoutingTrace, Tensor | None] | None = None  # the view in use and its cut
+
+    def _seen(self, device: torch.device) -> tuple[RoutingTrace, Tensor | None]:
+        """The trace and valid [B', L'] of the current decoder call, on `device`."""
+        if self.trace.indices.device != device:
+            self.trace, self._call = self.trace.to(device), None
+            self.valid = None if self.valid is None else self.valid.to(device)
+        view = _CALL_VIEW.get()  # a call over distinct prompts, or over the completion columns only
+        if view is None:
+            return self.trace, self.valid
+        if self._call is None or self._call[0] is not view:
+            valid = None if self.valid is None else _viewed(self.valid, view)
+            self._call = (view, self.trace.view(view.rows, view.columns), valid)
+        return self._call[1:]
+
+    def __call__(self, layer, router, adapter, hidden, output, shape):
+        _, natural = adapter.choice(router, output)
+        seen, mask = self._seen(natural.device)
+        recorded_idx, recorded = seen.layer(layer, *shape)  # [N, k], [N]
+        indices = torch.where(recorded[:, None], recorded_idx.to(natural.dtype), natural)  # [N, k]
+        with torch.no_grad():
+            counted = recorded if mask is None else recorded & mask.reshape(-1)
+            differs = (natural.sort(-1).values != indices.sort(-1).values).any(-1) & counted
+            self.stats.overridden = self.stats.overridden + differs.sum()  # on the device: no wait here
+            self.stats.replayed = self.stats.replayed + counted.sum()
+        return adapter.replayed(router, hidden, output, indices)
 
 
 @contextmanager
@@ -137,31 +177,12 @@ def replay_routing(model: torch.nn.Module, trace: RoutingTrace, valid: Tensor | 
     """Every MoE layer uses the experts recorded in `trace` (positions not recorded keep their own choice);
     gate weights are recomputed from the live logits at those experts. `valid` [B, L] limits the override
     statistics to real tokens. Every forward inside must cover the trace's [B, L] tokens."""
-    stats = ReplayStats()
-    valid = valid.cpu().bool() if valid is not None else None
-
-    def replay(layer, router, adapter, hidden, output, shape):
-        _, natural = adapter.choice(router, output)
-        view = _CALL_VIEW.get()  # a call over distinct prompts, or over the completion columns only
-        seen, mask = (trace, valid) if view is None else (trace.view(view.rows, view.columns),
-                                                          None if valid is None else _viewed(valid, view))
-        recorded_idx, recorded = seen.layer(layer, *shape)  # [N, k], [N] on CPU
-        valid_flat = None if mask is None else mask.reshape(-1)
-        recorded_idx = recorded_idx.to(natural.device, natural.dtype)
-        use = recorded.to(natural.device)[:, None]
-        indices = torch.where(use, recorded_idx, natural)  # [N, k]
-        with torch.no_grad():
-            differs = (natural.sort(-1).values != indices.sort(-1).values).any(-1).cpu() & recorded
-            counted = differs if valid_flat is None else differs & valid_flat
-            stats.overridden += int(counted.sum())
-            stats.replayed += int((recorded if valid_flat is None else recorded & valid_flat).sum())
-        return adapter.replayed(router, hidden, output, indices)
-
-    with router_hooks(model, replay, "replay_routing"):
-        yield stats
+    replayer = _Replayer(trace, None if valid is None else valid.bool())
+    with router_hooks(model, replayer, "replay_routing"):
+        yield replayer.stats
 
 
 def _viewed(valid: Tensor, view: CallView) -> Tensor:
     """valid [B, L] restricted to the rows and columns a call covers."""
-    rows = valid if view.rows is None else valid[view.rows.cpu()]
+    rows = valid if view.rows is None else valid[view.rows.to(valid.device)]
     return rows[:, view.columns]

@@ -92,7 +92,7 @@ class RoutingReplay:
     def _replay_counting(self, minibatch):
         with replay_routing(self.model, minibatch.routing_trace, minibatch.attention_mask) as stats:
             yield
-        self._stats.overridden += stats.overridden
+        self._stats.overridden += stats.overridden  # device tensors, read once by `diagnostics`
         self._stats.replayed += stats.replayed
 
     def diagnostic_rows(self, batch):

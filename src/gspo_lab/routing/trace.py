@@ -1,9 +1,9 @@
 """A routing trace: the top-k experts of every MoE layer at every position of a batch, stored compactly.
 
-indices [layers, B, L, k] (uint8 for up to 256 experts, else int16) on CPU, aligned with the batch's
-input_ids [B, L] column for column, so left padding and the prompt/completion split (`prompt_len`) carry
-over; `recorded` [B, L] marks positions whose choice was recorded (a trace from `generate` has no entry for
-the last token, which is never fed back).
+indices [layers, B, L, k] (uint8 for up to 256 experts, else int16) on CPU (replay copies a mini-batch's to
+the model's device once: `to`), aligned with the batch's input_ids [B, L] column for column, so left padding
+and the prompt/completion split (`prompt_len`) carry over; `recorded` [B, L] marks positions whose choice was
+recorded (a trace from `generate` has no entry for the last token, which is never fed back).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def compact_dtype(num_experts: int) -> torch.dtype:
 
 @dataclass
 class RoutingTrace:
-    indices: Tensor  # [layers, B, L, k] expert ids, compact integer dtype, CPU
+    indices: Tensor  # [layers, B, L, k] expert ids, compact integer dtype, CPU (under replay the model's device)
     recorded: Tensor  # [B, L] bool
     prompt_len: int | None = None  # columns before this are prompt (left-padded), after it completion
 
@@ -35,9 +35,15 @@ class RoutingTrace:
 
     def view(self, rows: Tensor | None, columns: slice) -> RoutingTrace:
         """The trace of batch rows `rows` (None: all) and `columns`, for a decoder call that covers only them."""
-        indices = self.indices if rows is None else self.indices[:, rows.cpu()]
-        recorded = self.recorded if rows is None else self.recorded[rows.cpu()]
+        indices, recorded = self.indices, self.recorded
+        if rows is not None:
+            rows = rows.to(indices.device)
+            indices, recorded = indices[:, rows], recorded[rows]
         return RoutingTrace(indices[:, :, columns], recorded[:, columns], None)
+
+    def to(self, device: torch.device) -> RoutingTrace:
+        """The same trace on `device`."""
+        return RoutingTrace(self.indices.to(device), self.recorded.to(device), self.prompt_len)
 
     def extend_to(self, length: int) -> RoutingTrace:
         """The same trace over `length` columns; the added columns are marked not recorded."""
