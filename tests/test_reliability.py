@@ -43,7 +43,7 @@ BAD_VALUES = {
     "objective.clip_low": st.sampled_from([0.0, -0.1, 1.0, 2.5]),
     "objective.clip_high": st.sampled_from([0.0, -0.2]),
     "routing.replay": st.sampled_from(["on", "r1", "R2"]),
-    "rollout.engine.precision": st.sampled_from(["fp16", "int8"]),
+    "rollout.engine.precision": st.sampled_from(["fp8", "int8"]),
     "rollout.engine.router_noise": st.sampled_from([-0.1, -2.0]),
     "rollout.engine.weight_bits": st.sampled_from([4, 16]),
 }

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 REPLAY_MODES = ("off", "r2", "r3")
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # rollout.engine.precision
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # rollout.engine.precision
 WEIGHT_BITS = (None, 8)  # rollout.engine.weight_bits
 
 
@@ -31,7 +31,8 @@ class EngineConfig:
     """How the rollout engine differs from the trainer; every default keeps it identical.
 
     Args:
-        precision: "fp32" (the trainer's float32 weights) or "bf16" (a bfloat16 copy).
+        precision: "fp32" (the trainer's float32 weights), "fp16" (a float16 copy: 3 more mantissa bits than
+            bfloat16, the FP16 paper's fix for the mismatch, arXiv 2510.26788) or "bf16" (a bfloat16 copy).
         router_noise: σ of Gaussian noise added to MoE router logits during generation only, relative to the
             standard deviation of each token's logits; 0 adds none.
         weight_bits: None, or 8 for weights fake-quantised to 8 bits per output channel (symmetric, round to

@@ -1,9 +1,9 @@
 """The rollout engine: what samples the completions, made to differ from the trainer the way an inference
 engine does (issue 13; GSPO paper section 5.4, R3 arXiv 2510.11370).
 
-    rollout.engine.precision     fp32 | bf16   generation with a bfloat16 copy of the weights
-    rollout.engine.router_noise  σ >= 0        Gaussian noise on router logits during generation, σ × their std
-    rollout.engine.weight_bits   null | 8      generation with weights fake-quantised per output channel
+    rollout.engine.precision     fp32 | fp16 | bf16   generation with a float16 or bfloat16 copy of the weights
+    rollout.engine.router_noise  σ >= 0               Gaussian noise on router logits in generation, σ × their std
+    rollout.engine.weight_bits   null | 8             generation with weights fake-quantised per output channel
 
 The defaults make the engine the trainer itself (no copy, no hook: exact, as before). Otherwise the engine
 holds its own copy of the policy, refreshed from the trainer's weights before every rollout (so after every
@@ -23,20 +23,44 @@ from torch import Tensor
 
 from gspo_lab.config import PRECISIONS, EngineConfig
 from gspo_lab.objectives.base import k3, masked_mean
+from gspo_lab.routing.adapters import ADAPTERS, expert_input_dim
 from gspo_lab.routing.hooks import router_hooks
 
 
-def fake_quantise(weight: Tensor, bits: int) -> Tensor:
+def fake_quantise(weight: Tensor, bits: int, input_dim: int = -1) -> Tensor:
     """Symmetric per-output-channel quantisation, returned dequantised: w_q = round(w / s) s with
-    s = max |w| over the channel / (2^(bits-1) - 1). Channels are the first dimension of a 2-D weight and the
-    first two of a 3-D expert bank [experts, out, in].
+    s = max |w| over the channel / (2^(bits-1) - 1). A channel is everything but `input_dim`: a row of a
+    Linear weight [out, in] (input_dim -1), an (expert, output) pair of an expert bank [experts, out, in]
+    (-1) or [experts, in, out] (-2).
 
     >>> fake_quantise(torch.tensor([[1.0, -0.5, 0.26]]), 8).tolist()  # s = 1/127: 0.26 -> 33/127
     [[1.0, -0.5039370059967041, 0.25984251499176025]]
     """
     levels = 2 ** (bits - 1) - 1
-    scale = weight.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(weight.dtype).tiny) / levels
+    scale = weight.abs().amax(dim=input_dim, keepdim=True).clamp(min=torch.finfo(weight.dtype).tiny) / levels
     return torch.round(weight / scale) * scale
+
+
+def quantised_weights(model: torch.nn.Module) -> dict[str, int]:
+    """The weights an int8/fp8 inference engine stores quantised, by parameter name, each with its input
+    dimension for `fake_quantise`: the weight [out, in] of every Linear layer and every 3-D weight of an expert
+    bank, [experts, out, in] or [experts, in, out] by family (routing.adapters.expert_input_dim). Kept in full
+    precision, as vLLM and SGLang keep them: biases (GPT-OSS's expert biases too), norms, embeddings and the
+    output head, router gates (every router, and a Linear with a single output: the shared-expert gate of
+    Qwen2-MoE and Qwen3-Next), convolutions and LoRA adapters."""
+    head = model.get_output_embeddings()
+    weights = {}
+    for prefix, module in model.named_modules():
+        if ".lora_" in prefix or module is head or type(module).__name__ in ADAPTERS:
+            continue
+        if isinstance(module, torch.nn.Linear):
+            if module.out_features > 1:
+                weights[f"{prefix}.weight"] = -1
+        elif not type(module).__module__.startswith("torch."):  # a model's own module: 3-D weights are experts'
+            for name, weight in module.named_parameters(recurse=False):
+                if weight.ndim == 3:
+                    weights[f"{prefix}.{name}"] = expert_input_dim(module, "rollout.engine.weight_bits")
+    return weights
 
 
 class RolloutEngine:
@@ -44,11 +68,13 @@ class RolloutEngine:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.trainer_model, self.config = model, config
-        self.copy = None
+        self.copy, self.quantised = None, {}  # quantised: parameter name -> input dimension (quantised_weights)
         if config.copies_weights:
             self.copy = copy.deepcopy(model).requires_grad_(False).eval()
             for parameter in self.copy.parameters():  # weights only: buffers (rotary frequencies) stay as they are
                 parameter.data = parameter.data.to(PRECISIONS[config.precision])
+            if config.weight_bits is not None:
+                self.quantised = quantised_weights(self.copy)
             self.sync()
 
     @property
@@ -58,9 +84,9 @@ class RolloutEngine:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Copy the trainer's current weights into the engine's (cast, then quantised): after every update.
-        LoRA adapters (model.lora) are copied and cast but never quantised: an engine serving adapters on a
-        quantised base keeps them in its activation dtype."""
+        """Copy the trainer's current weights into the engine's (cast, then those of `quantised_weights`
+        quantised): after every update. LoRA adapters (model.lora) are copied and cast but never quantised: an
+        engine serving adapters on a quantised base keeps them in its activation dtype."""
         if self.copy is None:
             return
         device = next(self.trainer_model.parameters()).device
@@ -68,9 +94,8 @@ class RolloutEngine:
             self.copy.to(device)
         for (name, source), target in zip(self.trainer_model.named_parameters(), self.copy.parameters()):
             value = source.detach().to(target.dtype)
-            if self.config.weight_bits is not None and value.dim() >= 2 and not any(
-                    part in name for part in ("embed", "norm", ".lora_")):
-                value = fake_quantise(value.float(), self.config.weight_bits).to(target.dtype)
+            if name in self.quantised:
+                value = fake_quantise(value.float(), self.config.weight_bits, self.quantised[name]).to(target.dtype)
             target.copy_(value)
 
     def generating(self):

@@ -130,6 +130,25 @@ ADAPTERS: dict[str, RouterAdapter] = {
 }
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
+# How an expert bank stores each expert's weight: False for [experts, out, in] (applied as F.linear(x, w[e]):
+# Qwen, Mixtral, OLMoE, DeepSeek-V3 and the rest), True for [experts, in, out] (applied as x @ w[e]). transformers
+# marks the classes its grouped kernels run with `is_transposed` (@use_experts_implementation; True for GPT-OSS);
+# this table holds those it does not mark.
+EXPERTS_TRANSPOSED: dict[str, bool] = {
+    "Llama4TextExperts": True,  # torch.bmm(hidden_states, self.gate_up_proj)
+}
+
+
+def expert_input_dim(experts: torch.nn.Module, purpose: str) -> int:
+    """The dimension of an expert bank's 3-D weights that runs along each token's input features: -1 for
+    [experts, out, in], -2 for [experts, in, out]."""
+    transposed = getattr(experts, "is_transposed", EXPERTS_TRANSPOSED.get(type(experts).__name__))
+    if transposed is None:
+        raise ValueError(f"{purpose}: the layout of {type(experts).__name__}'s expert weights ([experts, out, in] "
+                         f"or [experts, in, out]) is not known; add it to EXPERTS_TRANSPOSED in "
+                         f"gspo_lab/routing/adapters.py")
+    return -2 if transposed else -1
+
 
 def find_routers(model: torch.nn.Module, purpose: str) -> list[tuple[str, torch.nn.Module, RouterAdapter]]:
     """The model's routers in layer order, each with its adapter; a clear error when there are none."""
