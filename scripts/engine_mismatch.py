@@ -21,6 +21,7 @@ from gspo_lab.train import build
 
 DOSES = {
     "default": [],
+    "fp16": ["rollout.engine.precision=fp16"],
     "bf16": ["rollout.engine.precision=bf16"],
     "router_noise=0.05": ["rollout.engine.router_noise=0.05"],
     "weight_bits=8": ["rollout.engine.weight_bits=8"],

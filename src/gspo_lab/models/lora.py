@@ -5,7 +5,7 @@
 PEFT's `get_peft_model` injects the adapters into the transformers model itself, so the policy the rest of the
 framework sees is still that model (`LoraPolicy.model`): generation, the chunked log-probs, routing hooks (the
 router classes stay in the module tree, under PEFT's wrappers) and checkpoints work unchanged. Attention and
-MLP projections get ordinary LoRA layers (`target_modules`); the MoE experts' stacked [E, out, in] weights and
+MLP projections get ordinary LoRA layers (`target_modules`); the MoE experts' stacked weights ([E, out, in], [E, in, out] in GPT-OSS and Llama 4) and
 the routers' gate weights, which are parameters rather than Linear modules in transformers 5, get PEFT's
 parameter LoRA (`target_parameters`), so the gate weights train, also under routing replay. With
 `objective.beta > 0` the KL reference is the same model with its adapters disabled (`LoraPolicy.disabled`): no
