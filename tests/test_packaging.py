@@ -27,7 +27,9 @@ def test_pyproject_lists_every_package_and_config_group():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     packages = {".".join(p.parent.relative_to(ROOT / "src").parts) for p in (ROOT / "src").rglob("__init__.py")}
     groups = {f"gspo_lab.conf.{d.name}" for d in (ROOT / "conf").iterdir() if any(d.glob("*.yaml"))}
-    assert sorted(setuptools["packages"]) == sorted(packages | groups | {"gspo_lab.conf"})
+    # hydra_plugins: the namespace Hydra scans for plugins (no __init__.py); an editable install adds the
+    # checkout's hydra_plugins/ to it only when it is listed
+    assert sorted(setuptools["packages"]) == sorted(packages | groups | {"gspo_lab.conf", "hydra_plugins"})
     assert setuptools["package-dir"] == {"": "src", "gspo_lab.conf": "conf"}
 
 
