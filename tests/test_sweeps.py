@@ -134,7 +134,7 @@ def test_the_search_config_is_a_seeded_maximising_optuna_sweep():
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = hydra_compose(config_name="train", overrides=["hparams_search=gspo_optuna"], return_hydra_config=True)
     sweeper = cfg.hydra.sweeper
-    assert sweeper._target_ == "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+    assert sweeper._target_ == "hydra_plugins.gspo_lab_optuna.ResumableOptunaSweeper"
     assert cfg.hydra.mode == RunMode.MULTIRUN  # `gspo-train hparams_search=gspo_optuna` needs no -m
     assert sweeper.direction == "maximize" and sweeper.n_trials == 20
     assert sweeper.sampler._target_ == "optuna.samplers.TPESampler" and sweeper.sampler.seed == 1234
