@@ -13,6 +13,8 @@ from omegaconf import OmegaConf
 from gspo_lab import CONFIG_DIR
 from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
 from gspo_lab.objectives import GRPO, GSPO, GSPOToken, Objective
+from gspo_lab.prompts import PromptFormat
+from gspo_lab.rewards import build_rewards
 from gspo_lab.sft import SFTConfig
 
 CONF = Path(CONFIG_DIR)
@@ -42,13 +44,34 @@ def test_model_options(name, compose, tmp_path):
 @pytest.mark.parametrize("name", options("task"))
 def test_task_options(name, compose, tmp_path):
     overrides = [f"task={name}"]
-    if name == "jsonl":
+    if name in ("jsonl", "hf"):
         data = tmp_path / "data.jsonl"
         data.write_text("".join(f'{{"prompt": "{i}+{i}=", "answer": "{2 * i}"}}\n' for i in range(50)))
         overrides.append(f"task.path={data}")
     task = instantiate(compose(overrides).task)
     example = task.examples("train", 3, seed=0)[0]
     assert task.reward(example, task.demonstration(example)) == 1.0
+
+
+@pytest.mark.parametrize("name", options("reward"))
+def test_reward_options_build_and_score_a_demonstration(name, compose):
+    cfg = compose([f"reward={name}"])
+    task = instantiate(cfg.task)
+    rewards = build_rewards(cfg.reward, task)
+    try:
+        example = task.examples("train", 1, seed=0)[0]
+        answers = [task.demonstration(example), f"$\\boxed{{{task.demonstration(example)}}}$", "-1"]
+        scores = rewards.score([example.prompt] * 3, answers, [[1]] * 3, {"answer": [example.answer] * 3})
+        # the bare answer (the task's checker) or the boxed one (math-verify reads LaTeX answers only) is right
+        assert max(scores.total.tolist()[:2]) == 1.0 and scores.total.tolist()[2] == 0.0
+    finally:
+        if rewards.runner is not None:
+            rewards.runner.close()
+
+
+@pytest.mark.parametrize("name", options("prompt"))
+def test_prompt_options(name, compose):
+    assert isinstance(instantiate(compose([f"prompt={name}"]).prompt), PromptFormat)
 
 
 @pytest.mark.parametrize("group, cls", [("rollout", RolloutConfig), ("routing", RoutingConfig)])

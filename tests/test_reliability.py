@@ -4,7 +4,6 @@ SLURM also requeues the job and the requeued job resumes by itself, and checkpoi
 pickled code."""
 
 import csv
-import math
 import os
 import pickle
 import re
@@ -21,7 +20,7 @@ from hypothesis import strategies as st
 from lightning.pytorch.plugins import MixedPrecision
 
 from gspo_lab.module import TooManySkippedUpdates
-from gspo_lab.tasks import Arithmetic
+from gspo_lab.rewards import RewardContractError
 from gspo_lab.train import ConfigError, build, check_precision, plan, resolve_checkpoint
 
 TIMING = ("time/", "throughput/")
@@ -149,51 +148,31 @@ def test_periodic_checkpoints_keep_coming_after_a_skipped_update_and_resume_exac
         assert torch.equal(a, b), name
 
 
-class FlakyArithmetic(Arithmetic):
-    """A user's reward function with a bug: it raises on completions containing '7'."""
-
-    def reward(self, example, completion):
-        if "7" in completion:
-            raise KeyError("bug in the reward function")
-        return super().reward(example, completion)
+FLAKY = "reward.functions=[{_target_:gspo_lab.rewards.TaskReward},{_target_:tests.rewards.user_rewards.flaky,weight:0.5}]"
 
 
 @pytest.mark.parametrize("policy", ["zero", "raise"])
 def test_a_reward_function_that_raises(policy, compose, rl_overrides, caplog):
-    run, module, _ = build(compose(rl_overrides + [f"train.on_reward_error={policy}"]))
-    module.task = FlakyArithmetic(format_weight=0.5, eval_size=32)
+    """A user's reward function with a bug (it raises on completions containing '7'), reached through _target_."""
+    run, module, _ = build(compose(rl_overrides + [FLAKY, f"train.on_reward_error={policy}"]))
     torch.manual_seed(0)
     if policy == "raise":
-        with pytest.raises(RuntimeError, match=r"reward error \(RL step 0, prompt \d+, completion \d+\): KeyError\('bug in"):
+        with pytest.raises(RuntimeError, match=r"reward function flaky raised KeyError\('bug in the reward function'\) "
+                                               r"\(RL step 0, prompt \d+, completion \d+\)"):
             run.trainer.fit(module)
         return
     run.trainer.fit(module)
-    assert module.history[-2]["reward/errors"] > 0
-    assert "bug in the reward function" in caplog.text and "completion" in caplog.text
+    assert module.history[-2]["reward/errors"] == module.history[-2]["reward/flaky/errors"] > 0
+    assert module.history[-2]["reward/arithmetic/errors"] == 0
+    assert caplog.text.count("reward function flaky raised") == 1  # the first one; the rest are counted
 
 
-class NonFiniteArithmetic(Arithmetic):
-    """A user's reward function with a numerical bug: NaN or inf on completions containing '7'."""
-
-    def reward(self, example, completion):
-        return float("nan") if "7" in completion else float("inf") if "3" in completion else super().reward(example, completion)
-
-
-@pytest.mark.parametrize("policy", ["zero", "raise"])
-def test_a_non_finite_reward_is_a_reward_error_at_its_source(policy, compose, rl_overrides, caplog):
+def test_a_non_finite_reward_stops_the_run_naming_the_function(compose, rl_overrides):
     """NaN or inf used to reach the advantages and end, steps later, in TooManySkippedUpdates advising a lower lr."""
-    run, module, _ = build(compose(rl_overrides + [f"train.on_reward_error={policy}"]))
-    module.task = NonFiniteArithmetic(format_weight=0.5, eval_size=32)
-    torch.manual_seed(0)
-    if policy == "raise":
-        with pytest.raises(RuntimeError, match=r"reward error \(RL step 0, prompt \d+, completion \d+\): ValueError\('the "
-                                               r"reward function returned (nan|inf)"):
-            run.trainer.fit(module)
-        return
-    run.trainer.fit(module)
-    assert module.history[-2]["reward/errors"] > 0 and module.history[0]["train/skipped_updates"] == 0
-    assert all(math.isfinite(row["reward/mean"]) for row in module.history if "reward/mean" in row)
-    assert re.search(r"reward error \(RL step 0, prompt \d+, completion \d+\).*returned (nan|inf)", caplog.text)
+    run, module, _ = build(compose(rl_overrides + ["reward.functions=[{_target_:tests.rewards.user_rewards.non_finite}]"]))
+    with pytest.raises(RewardContractError, match=r"reward function non_finite returned nan \(RL step 0, prompt 0, "
+                                                  r"completion 0\); a reward must be a finite number"):
+        run.trainer.fit(module)
 
 
 @pytest.fixture(scope="module")
@@ -325,8 +304,7 @@ def test_reward_errors_are_counted_across_a_resume(compose, rl_overrides, tmp_pa
     """reward/errors is a running count: a run resumed from a checkpoint must carry it on, not restart at 0."""
 
     def fit(name, steps, ckpt_path=None):
-        run, module, _ = build(compose(rl_overrides + [f"train.steps={steps}", f"paths.output_dir={tmp_path / name}"]))
-        module.task = FlakyArithmetic(format_weight=0.5, eval_size=32)
+        run, module, _ = build(compose(rl_overrides + [FLAKY, f"train.steps={steps}", f"paths.output_dir={tmp_path / name}"]))
         run.trainer.fit(module, ckpt_path=ckpt_path, weights_only=True)
         return [row["reward/errors"] for row in module.history if "reward/errors" in row]
 

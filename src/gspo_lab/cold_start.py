@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from gspo_lab import CONFIG_DIR
 from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import ContextTooLong, check_context
+from gspo_lab.prompts import PromptFormat
 from gspo_lab.sft import SFTConfig, SFTModule
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,11 @@ def cache_key(model_cfg: dict, task_cfg: dict, sft: SFTConfig, seed: int) -> str
 
 
 def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_dir: str | Path, accelerator="cpu",
-               check: Callable[[Any, Any], None] | None = None, precision="32-true"):
+               check: Callable[[Any, Any], None] | None = None, precision="32-true", prompt: PromptFormat | None = None):
     """The SFT'd model and tokenizer, trained now (on one device of `accelerator`, at the trainer's `precision`)
     or loaded from the cache; plus the stage's info dict. `check(model, tokenizer)` runs once: on the freshly
-    built model before any training, or on a cache hit."""
+    built model before any training, or on a cache hit. Demonstrations are formatted by `prompt` (default: the
+    prompt text as it is)."""
     entry = Path(cache_dir).expanduser() / key
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.parent / f"{key}.lock", "w") as lock:
@@ -68,18 +70,19 @@ def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_di
             if check is not None:
                 check(model, tokenizer)
             return model, tokenizer, {**info, "cache_hit": True, "path": str(entry)}
-        info = _train_and_save(model_source, task, sft, seed, entry, accelerator, check, precision)
+        info = _train_and_save(model_source, task, sft, seed, entry, accelerator, check, precision,
+                               prompt or PromptFormat())
     model, tokenizer = model_source.load_from(entry)
     return model, tokenizer, {**info, "cache_hit": False, "path": str(entry)}
 
 
 def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, accelerator,
-                    check, precision) -> dict[str, Any]:
+                    check, precision, prompt: PromptFormat) -> dict[str, Any]:
     L.seed_everything(seed, workers=True, verbose=False)
     model, tokenizer = model_source.load(task)
     if check is not None:
         check(model, tokenizer)
-    module = SFTModule(model, tokenizer, task, sft, seed)
+    module = SFTModule(model, tokenizer, task, sft, seed, prompt.bind(tokenizer))
     trainer = L.Trainer(
         max_steps=sft.steps,
         accelerator=accelerator,
@@ -113,12 +116,21 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
     """The run's starting policy: the cached cold start when `sft.enabled` (true, or auto for a model built
     from config), else the model as built or the checkpoint as saved."""
     model_source = instantiate(cfg.model)
+    prompt = instantiate(cfg.prompt) if "prompt" in cfg else PromptFormat()
     sft = SFTConfig(**OmegaConf.to_container(cfg.sft, resolve=True))
+    fitted: set[int] = set()
+
+    def fit_prompts(tokenizer) -> None:  # task.max_prompt_tokens (task=hf), once the tokenizer exists
+        if getattr(task, "max_prompt_tokens", None) and id(tokenizer) not in fitted:
+            task.drop_long_prompts(prompt.bind(tokenizer), tokenizer, task.max_prompt_tokens)
+            fitted.add(id(tokenizer))
+
     budgets = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
     if not sft.runs_on(model_source):
         L.seed_everything(cfg.seed, verbose=False)
         model, tokenizer = model_source.load(task)
-        check_context(model, tokenizer, task, budgets)
+        fit_prompts(tokenizer)
+        check_context(model, tokenizer, task, budgets, prompt.bind(tokenizer))
         return model, tokenizer, {"enabled": False}
     sft = replace(sft, enabled=True)  # auto resolved: the cache key of a cold start does not depend on how it was asked
     budgets["sft.max_new_tokens"] = sft.max_new_tokens
@@ -127,7 +139,8 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
                     "before the LoRA adapters exist", model_source.path)
 
     def check(model, tokenizer) -> None:  # before the cold start trains, or on a cache hit
-        check_context(model, tokenizer, task, budgets)
+        fit_prompts(tokenizer)
+        check_context(model, tokenizer, task, budgets, prompt.bind(tokenizer))
 
     seed = cfg.seed if sft.seed is None else sft.seed
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
@@ -138,9 +151,11 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
     accelerator, precision = trainer.get("accelerator", "cpu"), trainer.get("precision", "32-true")
     if precision not in ("32-true", "32", 32):  # a 32-bit cold start keeps the key it always had
         model_cfg["precision"] = precision
+    if prompt != PromptFormat():  # demonstrations in another prompt format; the default keeps the key it had
+        model_cfg["prompt"] = asdict(prompt)
     key = cache_key(model_cfg, OmegaConf.to_container(cfg.task, resolve=True), sft, seed)
     model, tokenizer, info = cold_start(model_source, task, sft, seed, key, cfg.paths.cache_dir, accelerator, check,
-                                        precision)
+                                        precision, prompt)
     return model, tokenizer, {"enabled": True, **info}
 
 

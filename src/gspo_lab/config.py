@@ -80,6 +80,8 @@ class RolloutConfig:
             groups with differing rewards (gspo_lab.rollout.dynamic_sampling).
         max_sampling_rounds: with filter_zero_std_groups, the most rounds of prompts_per_step prompts sampled
             in one step; a step still short after them keeps zero-std groups (counted in rollout/unfilled_groups).
+        stop_token_ids: token ids that end a completion, besides the tokenizer's EOS and every EOS of the
+            checkpoint's generation config (a chat model's end of turn).
         engine: how the rollout engine differs from the trainer (`EngineConfig`; the default: not at all).
     """
 
@@ -94,6 +96,7 @@ class RolloutConfig:
     share_prompt_prefill: bool = True
     filter_zero_std_groups: bool = False
     max_sampling_rounds: int = 4
+    stop_token_ids: list[int] = field(default_factory=list)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -110,6 +113,10 @@ class RolloutConfig:
         _require(not (self.suppress_eos and self.mask_truncated), "rollout.mask_truncated", self.mask_truncated,
                  "rollout.suppress_eos=true truncates every completion, so masking truncated ones leaves nothing to "
                  "train on (the loss is 0 every step); turn one of them off")
+        ids = list(self.stop_token_ids or [])
+        _require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), "rollout.stop_token_ids",
+                 self.stop_token_ids, "must be a list of token ids (integers >= 0)")
+        self.stop_token_ids = ids
 
     @property
     def batch_size(self) -> int:

@@ -3,7 +3,7 @@
 One RL step is one `training_step`:
 1. this rank's share of the step's prompts, `group_size` completions each (transformers `generate`) from the
    rollout engine (the trainer's model itself by default; `rollout.engine.*` makes it differ);
-2. rewards from the task (with `rollout.filter_zero_std_groups`, further rounds of prompts replace groups whose
+2. rewards from the reward functions (the task's checker by default; gspo_lab.rewards) (with `rollout.filter_zero_std_groups`, further rounds of prompts replace groups whose
    rewards are all equal: gspo_lab.rollout.dynamic_sampling), group-relative advantages; the trainer's own
    log-probs and experts on the diagnostic rows against the engine's (mismatch/*, routing/rollout_disagreement*);
 3. old-policy log-probs from the engine's own logits (default), or from a no-grad trainer forward; with
@@ -35,6 +35,8 @@ from gspo_lab.evaluation import accuracy
 from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective
 from gspo_lab.objectives.base import masked_mean
+from gspo_lab.prompts import PromptFormat
+from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards
 from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, token_logprobs
 from gspo_lab.rollout.collection import RolloutCollection
 from gspo_lab.rollout.engine import RolloutEngine
@@ -63,6 +65,10 @@ class RLModule(RolloutCollection, L.LightningModule):
         rollout, train, routing: validated settings (gspo_lab.config).
         seed: the run's seed.
         lora: the PEFT wrapper when `model` trains through LoRA adapters (gspo_lab.models.lora), else None.
+        rewards: the reward functions (gspo_lab.rewards, the `reward` config group); by default the task's own
+            checker, graded in this process.
+        prompt: how an example becomes model input (gspo_lab.prompts, the `prompt` config group); by default
+            the prompt text as it is, or in the tokenizer's chat template when it has one.
     """
 
     def __init__(
@@ -78,6 +84,8 @@ class RLModule(RolloutCollection, L.LightningModule):
         routing: RoutingConfig,
         seed: int,
         lora: LoraPolicy | None = None,
+        rewards: WeightedRewards | None = None,
+        prompt: PromptFormat | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -93,11 +101,12 @@ class RLModule(RolloutCollection, L.LightningModule):
         self.routing = RoutingReplay(model, routing.replay, diagnostics_rows=routing.diagnostics_rows)
         self.engine = RolloutEngine(model, rollout.engine)  # the trainer's model itself unless configured
         self.prompts = PromptSchedule(task, rollout.prompts_per_step, seed)
+        self.render = (prompt or PromptFormat()).bind(tokenizer)
         self.eval_set = task.eval_examples()
         self.rl_step = 0  # RL steps completed; saved in checkpoints
         self.history: list[dict[str, float]] = []  # every logged row (rank 0's view), saved in checkpoints
         self.consecutive_skips = 0
-        self.reward_errors = 0
+        self.rewards = rewards or WeightedRewards([RewardFunction(TaskReward(task))], on_error=train.on_reward_error)
 
     # ---- Lightning plumbing -------------------------------------------------------------------------------
 
@@ -143,7 +152,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         checkpoint["rl_step"] = self.rl_step
         checkpoint["history"] = self.history
         checkpoint["consecutive_skips"] = self.consecutive_skips
-        checkpoint["reward_errors"] = self.reward_errors
+        checkpoint["rewards"] = self.rewards.state_dict()  # running counts of reward errors and timeouts
         if self.lora is not None:  # the adapters only: the base weights come from the model source on resume
             self.lora.save_checkpoint(checkpoint, prefix="model.")
 
@@ -154,7 +163,14 @@ class RLModule(RolloutCollection, L.LightningModule):
         self.rl_step = checkpoint["rl_step"]
         self.history = [row for row in checkpoint["history"] if row["step"] < self.rl_step]
         self.consecutive_skips = checkpoint["consecutive_skips"]
-        self.reward_errors = checkpoint.get("reward_errors", 0)  # absent from checkpoints written before 2026-11-21
+        if "rewards" in checkpoint:
+            self.rewards.load_state_dict(checkpoint["rewards"])
+        elif checkpoint.get("reward_errors"):  # a checkpoint written before the reward group: one total, one function
+            self.rewards.errors[self.rewards.functions[0].name] = checkpoint["reward_errors"]
+
+    def teardown(self, stage: str) -> None:
+        if self.rewards.runner is not None:  # the grading pool's worker processes
+            self.rewards.runner.close()
 
     # ---- one RL step --------------------------------------------------------------------------------------
 
@@ -299,7 +315,8 @@ class RLModule(RolloutCollection, L.LightningModule):
         shard = self.eval_set[self.global_rank :: self.trainer.world_size]
         correct = 0.0
         if shard:
-            correct = len(shard) * accuracy(self.model, self.tokenizer, self.task, shard, self.rollout_cfg.max_new_tokens)
+            correct = len(shard) * accuracy(self.model, self.tokenizer, self.task, shard, self.rollout_cfg.max_new_tokens,
+                                            render=self.render, stop_token_ids=self.rollout_cfg.stop_token_ids)
         total = self.trainer.strategy.reduce(torch.tensor(correct, device=self.device), reduce_op="sum")
         return float(total) / len(self.eval_set)
 

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from gspo_lab.evaluation import accuracy
+from gspo_lab.prompts import Renderer
 from gspo_lab.seeding import SFT_DEMONSTRATIONS, stream_seed
 from gspo_lab.tasks.base import Task
 
@@ -73,8 +74,9 @@ class SFTConfig:
 class Demonstrations(IterableDataset):
     """An endless stream of right-padded batches: prompt + demonstration + EOS, labels on the completion."""
 
-    def __init__(self, task: Task, tokenizer, batch_size: int, seed: int) -> None:
+    def __init__(self, task: Task, tokenizer, batch_size: int, seed: int, render: Renderer | None = None) -> None:
         self.task, self.tokenizer, self.batch_size, self.seed = task, tokenizer, batch_size, seed
+        self.render = render  # the prompt format (gspo_lab.prompts); None: the prompt text as it is
 
     def __iter__(self):
         step = 0
@@ -90,7 +92,10 @@ class Demonstrations(IterableDataset):
         tok = self.tokenizer
         rows, labels = [], []
         for example in examples:
-            prompt = tok(example.prompt)["input_ids"]
+            if self.render is None:
+                prompt = tok(example.prompt)["input_ids"]
+            else:
+                prompt = tok(self.render.text(example), add_special_tokens=self.render.add_special_tokens)["input_ids"]
             completion = tok(self.task.demonstration(example), add_special_tokens=False)["input_ids"]
             completion = completion + [tok.eos_token_id]
             rows.append(prompt + completion)
@@ -107,9 +112,10 @@ class Demonstrations(IterableDataset):
 class SFTModule(L.LightningModule):
     """Next-token cross-entropy on demonstrations, with held-out greedy accuracy and early stopping."""
 
-    def __init__(self, model, tokenizer, task: Task, config: SFTConfig, seed: int) -> None:
+    def __init__(self, model, tokenizer, task: Task, config: SFTConfig, seed: int, render: Renderer | None = None) -> None:
         super().__init__()
         self.model, self.tokenizer, self.task, self.config, self.seed = model, tokenizer, task, config, seed
+        self.render = render
         self.eval_set = task.eval_examples()[: config.eval_size]
         self.history: list[tuple[int, float]] = []  # (step, held-out accuracy)
 
@@ -124,7 +130,8 @@ class SFTModule(L.LightningModule):
             self.evaluate(step)
 
     def evaluate(self, step: int) -> float:
-        acc = accuracy(self.model, self.tokenizer, self.task, self.eval_set, self.config.max_new_tokens)
+        acc = accuracy(self.model, self.tokenizer, self.task, self.eval_set, self.config.max_new_tokens,
+                       render=self.render)
         self.history.append((step, acc))
         self.log("sft/eval_accuracy", acc, prog_bar=True)
         log.info("sft step %d: held-out accuracy %.3f", step, acc)
@@ -141,5 +148,5 @@ class SFTModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
     def train_dataloader(self):
-        data = Demonstrations(self.task, self.tokenizer, self.config.batch_size, self.seed)
+        data = Demonstrations(self.task, self.tokenizer, self.config.batch_size, self.seed, self.render)
         return DataLoader(data, batch_size=None)

@@ -37,6 +37,7 @@ from gspo_lab.models.lora import apply_lora
 from gspo_lab.module import RLModule, TooManySkippedUpdates
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
+from gspo_lab.rewards import build_rewards
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.sharding import full_state_dict, is_sharded
 
@@ -70,6 +71,8 @@ class Plan:
     train: object
     routing: object
     task: object
+    rewards: object
+    prompt: object
     objective: object
     advantage: object
     optimizer: object
@@ -83,6 +86,8 @@ def plan(cfg: DictConfig) -> Plan:
         parts = {k: instantiate(cfg[k]) for k in ("rollout", "train", "routing", "task", "objective", "advantage",
                                                    "optimizer")}
         model_source = instantiate(cfg.model)  # the model source checks its own settings; weights load later
+        parts["prompt"] = instantiate(cfg.prompt)
+        parts["rewards"] = build_rewards(cfg.reward, parts["task"], parts["train"].on_reward_error)
         loggers = [instantiate(c) for c in cfg.get("logger", {}).values()]
         callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values()]
         trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
@@ -166,7 +171,7 @@ def build(cfg: DictConfig) -> tuple[Plan, RLModule, dict]:
     except (ContextTooLong, ValueError) as error:
         raise ConfigError(str(error)) from error
     module = RLModule(model, tokenizer, run.task, run.objective, run.advantage, run.optimizer, run.rollout,
-                      run.train, run.routing, cfg.seed, lora)
+                      run.train, run.routing, cfg.seed, lora, run.rewards, run.prompt)
     return run, module, cold_start
 
 

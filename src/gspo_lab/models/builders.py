@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -120,10 +121,11 @@ class TinyModel:
 
 @dataclass
 class PretrainedModel:
-    """A local checkpoint saved with `save_pretrained`, with its own tokenizer; never downloads.
+    """A pretrained checkpoint with its own tokenizer: a local `save_pretrained` folder, or a hub id fetched
+    through the hub cache (`checkpoint_folder`; from the cache alone with HF_HUB_OFFLINE=1).
 
     Args:
-        path: folder holding config.json, the weights and the tokenizer files.
+        path: a folder holding config.json, the weights and the tokenizer files, or a hub id ("Qwen/Qwen3-1.7B").
         dtype: "float32", "bfloat16" or "float16".
         gradient_checkpointing: recompute activations in the backward pass (`checkpoint_blocks`).
         experts_implementation: transformers' MoE expert kernel, or null for the checkpoint's default.
@@ -141,23 +143,23 @@ class PretrainedModel:
         self.lora = LoraSettings.of(self.lora)
         _dtype(self.dtype, "model.dtype")
         if self.path is None:
-            raise ValueError("model.path is not set: model=hf needs model.path=/path/to/checkpoint")
-        _check_checkpoint_dir(Path(self.path).expanduser())
+            raise ValueError("model.path is not set: model=hf needs model.path=/path/to/checkpoint or a hub id")
+        self.folder = checkpoint_folder(str(self.path))
 
     def load(self, task=None):
         """The checkpoint and its own tokenizer; `task` is accepted for a uniform interface and not used."""
-        return self.load_from(self.path)
+        return self.load_from(self.folder)
 
     def load_from(self, path: str | Path):
         return load_pretrained(path, self.dtype, self.gradient_checkpointing, self.experts_implementation)
 
     def skeleton(self) -> PreTrainedModel:
         """The checkpoint's architecture on the meta device, from its config.json alone."""
-        return _on_meta(AutoConfig.from_pretrained(Path(self.path).expanduser(), local_files_only=True))
+        return _on_meta(AutoConfig.from_pretrained(self.folder, local_files_only=True))
 
     def fingerprint(self) -> str:
         """A hash of the checkpoint folder's contents (`checkpoint_fingerprint`), for cache keys."""
-        return checkpoint_fingerprint(Path(self.path).expanduser())
+        return checkpoint_fingerprint(self.folder)
 
 
 def checkpoint_fingerprint(folder: Path, block: int = 1 << 24) -> str:
@@ -198,11 +200,36 @@ def load_pretrained(path, dtype="float32", gradient_checkpointing=False, experts
     return _finish(model, gradient_checkpointing), tokenizer
 
 
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# what a checkpoint needs from a hub repository: config, safetensors weights, tokenizer, chat template
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def checkpoint_folder(path: str) -> Path:
+    """The local folder of a checkpoint: `path` itself when it exists, else, for a hub id, its snapshot in the
+    hub cache, downloaded when online (huggingface_hub.snapshot_download; HF_HUB_OFFLINE=1 reads the cache only)."""
+    local = Path(path).expanduser()
+    if local.exists() or not HUB_ID.fullmatch(path):
+        _check_checkpoint_dir(local)
+        return local
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(path, allow_patterns=HUB_FILES))
+    except Exception as error:  # noqa: BLE001 - offline, unknown repository, no network: one clear message
+        raise FileNotFoundError(
+            f"model.path={path!r} is not a local folder, and the hub model of that name could not be fetched "
+            f"({type(error).__name__}: {error}); offline (HF_HUB_OFFLINE=1) only models already in the hub cache "
+            "load, else give the folder written by save_pretrained") from None
+    _check_checkpoint_dir(folder)
+    return folder
+
+
 def _check_checkpoint_dir(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"model.path={str(path)!r} is not a checkpoint folder: no config.json there "
-            "(model=hf loads local files only; save one with save_pretrained)"
+            "(model=hf takes a folder written by save_pretrained, or a hub id)"
         )
 
 
@@ -239,18 +266,22 @@ class ContextTooLong(ValueError):
 CONTEXT_SAMPLE = 200  # prompts drawn (either split) whose lengths `check_context` measures, beside the held-out set
 
 
-def check_context(model: PreTrainedModel, tokenizer, task, max_new_tokens: dict[str, int]) -> None:
+def check_context(model: PreTrainedModel, tokenizer, task, max_new_tokens: dict[str, int], render=None) -> None:
     """Refuse a run whose sequences would not fit the model's positions: the longest prompt (of the held-out
     set and a sample of the whole prompt space) plus each generation budget in `max_new_tokens` (config key ->
-    tokens) must fit `max_position_embeddings`. Beyond it a rotary model still runs, on positions it never
+    tokens) must fit `max_position_embeddings`; prompts as `render` (gspo_lab.prompts.Renderer) formats them. Beyond it a rotary model still runs, on positions it never
     learned, so nothing else would say so; reasoning-gym's long instructions under the char tokenizer do it.
     """
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is None:
         return
     rng = random.Random("check_context")
-    prompts = [e.prompt for e in task.eval_examples()] + [task.sample(rng).prompt for _ in range(CONTEXT_SAMPLE)]
-    longest = max(len(ids) for ids in tokenizer(prompts)["input_ids"])
+    examples = task.eval_examples() + [task.sample(rng) for _ in range(CONTEXT_SAMPLE)]
+    if render is None:
+        encoded = tokenizer([e.prompt for e in examples])
+    else:
+        encoded = tokenizer(render.texts(examples), add_special_tokens=render.add_special_tokens)
+    longest = max(len(ids) for ids in encoded["input_ids"])
     for key, tokens in max_new_tokens.items():
         if longest + tokens > limit:
             raise ContextTooLong(

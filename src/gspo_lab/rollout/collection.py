@@ -6,7 +6,6 @@ old-policy and reference log-probs, and the rollout's metrics. The update half s
 from __future__ import annotations
 
 import logging
-import math
 import time
 from contextlib import nullcontext
 
@@ -16,6 +15,7 @@ from gspo_lab.objectives import frac_zero_std
 from gspo_lab.rollout.batch import RolloutBatch
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
 from gspo_lab.rollout.engine import mismatch_metrics
+from gspo_lab.rewards import Scores
 from gspo_lab.rollout.generation import Completions, generate
 from gspo_lab.tasks.base import Example
 
@@ -38,6 +38,8 @@ class RolloutCollection:
             trained = sample_metrics(sampled.rewards, sampled.completions, cfg.group_size)
             metrics.update({f"trained/{key}": value for key, value in trained.items()})
         completions, rewards, rollout_trace = sampled.completions, sampled.rewards, sampled.rollout_trace
+        # a completion no reward function applied to (all None) takes no part in the update
+        advantages = torch.where(sampled.applies, self.advantage(rewards, cfg.group_size), 0.0)
         loss_mask = completions.completion_mask
         if cfg.mask_truncated:
             loss_mask = loss_mask * (~completions.truncated)[:, None]
@@ -48,7 +50,7 @@ class RolloutCollection:
             loss_mask=loss_mask,
             old_logp=completions.logprobs if cfg.logprobs_from_generation else None,
             rewards=rewards,
-            advantages=self.advantage(rewards, cfg.group_size),
+            advantages=advantages,
             truncated=completions.truncated,
             routing_trace=rollout_trace,
             rollout_logp=completions.logprobs,
@@ -77,16 +79,18 @@ class RolloutCollection:
         cfg = self.rollout_cfg
         examples = self.prompts.for_step(step, self.global_rank, self.trainer.world_size, sampling_round)
         grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
-        completions = self.sample([e.prompt for e in grouped], metrics)
-        rewards = torch.tensor([
-            self.score(example, text, f"RL step {step}, prompt {row // cfg.group_size}, completion {row % cfg.group_size}")
-            for row, (example, text) in enumerate(zip(grouped, completions.texts))
-        ])
+        texts = self.render.texts(examples)  # model input, once per prompt
+        completions = self.sample([text for text in texts for _ in range(cfg.group_size)], metrics)
+        scores = self.score(step, grouped, completions)
+        # reward/<name>/* of the step's own prompts (round 0, as reward/*); the running error counts of every round
+        metrics.update({k: v for k, v in scores.metrics.items() if sampling_round == 0 or k.endswith(("errors", "timeouts"))})
+        rewards, applies = scores.total, scores.applies
         if self.train_cfg.shuffle_rewards:  # negative control: rewards no longer belong to their completions
-            rewards = rewards[torch.randperm(len(rewards))]
+            order = torch.randperm(len(rewards))
+            rewards, applies = rewards[order], applies[order]
         prompt_len = completions.prompt_ids.shape[1]
         trace = self.routing.generation_trace(prompt_len, prompt_len + completions.completion_ids.shape[1])
-        return SampledRound(grouped, completions, rewards, trace)
+        return SampledRound(grouped, completions, rewards, applies, trace)
 
     def resample_zero_std_groups(self, step: int, first: SampledRound, metrics: dict[str, float]) -> SampledRound:
         """DAPO's dynamic sampling (gspo_lab.rollout.dynamic_sampling): further rounds until the step has
@@ -117,7 +121,8 @@ class RolloutCollection:
             completions = generate(
                 self.engine.model, self.tokenizer, prompts, cfg.max_new_tokens, temperature=cfg.temperature,
                 top_p=cfg.top_p, suppress_eos=cfg.suppress_eos, return_logprobs=True,
-                share_prompts=cfg.share_prompt_prefill,
+                share_prompts=cfg.share_prompt_prefill, stop_token_ids=cfg.stop_token_ids,
+                add_special_tokens=self.render.add_special_tokens,
             )
         metrics["time/engine_sync_s"] = metrics.get("time/engine_sync_s", 0.0) + synced - started
         metrics["time/generate_s"] = metrics.get("time/generate_s", 0.0) + time.perf_counter() - synced
@@ -131,30 +136,25 @@ class RolloutCollection:
         completion_mask = rows.attention_mask[:, -rows.completion_len :]
         return {**metrics, **mismatch_metrics(train_logp, rows.rollout_logp, completion_mask)}
 
-    def score(self, example: Example, completion: str, where: str) -> float:
-        """The task's reward. A reward function that raises, or returns NaN or ±inf (which would reach the
-        advantages and end several steps later in skipped updates), is a reward error: reported with `where` (the
-        step, the prompt's index in this rank's share, the completion's in its group), counted in reward/errors
-        and scored 0, or, with train.on_reward_error=raise, stops the run."""
-        try:
-            reward = float(self.task.reward(example, completion))
-            if not math.isfinite(reward):
-                raise ValueError(f"the reward function returned {reward}")
-            return reward
-        except Exception as error:  # noqa: BLE001 - a user's reward function may raise anything
-            if self.train_cfg.on_reward_error == "raise":
-                raise RuntimeError(f"reward error ({where}): {error!r}; prompt {example.prompt!r}, completion "
-                                   f"{completion!r}") from error
-            self.reward_errors += 1
-            log.warning("reward error (%s): %r on prompt %r, completion %r; scored 0 (train.on_reward_error=zero)",
-                        where, error, example.prompt, completion)
-            return 0.0
+    def score(self, step: int, examples: list[Example], completions: Completions) -> Scores:
+        """The reward functions' scores of this round's completions (gspo_lab.rewards): each function gets the
+        examples' prompts, the completions (as assistant messages when the prompts are conversational), their
+        token ids up to and including the stop token, the reference `answer` and every other column."""
+        group = self.rollout_cfg.group_size
+        conversational = bool(examples) and isinstance(examples[0].prompt, list)
+        texts = completions.texts
+        replies = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+        ids = [row[mask.bool()].tolist() for row, mask in zip(completions.completion_ids, completions.completion_mask)]
+        columns = {"answer": [e.answer for e in examples]}
+        for key in examples[0].meta if examples else ():
+            columns[key] = [e.meta.get(key) for e in examples]
+        return self.rewards.score([e.prompt for e in examples], replies, ids, columns,
+                                  where=lambda i: f"RL step {step}, prompt {i // group}, completion {i % group}")
 
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         return {
             "rollout/completions": float(len(batch.rewards)),  # this rank's; the mean over ranks is logged
             "rollout/width": float(batch.input_ids.shape[1]),  # padded prompt + completion positions per row
-            "reward/errors": float(self.reward_errors),
         }
 
 

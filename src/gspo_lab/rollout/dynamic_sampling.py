@@ -28,6 +28,7 @@ class SampledRound:
     examples: list[Example]  # [N] the prompt of each completion
     completions: Completions
     rewards: Tensor  # [N]
+    applies: Tensor  # [N] bool: some reward function applied (else the completion's advantage is 0)
     rollout_trace: RoutingTrace | None  # [layers, N, P + C, k] the engine's experts during generation, or None
 
 
@@ -72,6 +73,7 @@ def merge_rounds(rounds: list[SampledRound], group_size: int, needed: int, pad_i
         examples=[r.examples[i] for r, index in parts for i in index.tolist()],
         completions=Completions.cat(completions),
         rewards=torch.cat([r.rewards[index] for r, index in parts]),
+        applies=torch.cat([r.applies[index] for r, index in parts]),
         rollout_trace=RoutingTrace.cat(traces) if traces else None,
     )
     unfilled = needed - int(informative_groups(merged.rewards, group_size).sum())

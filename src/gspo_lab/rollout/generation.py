@@ -8,6 +8,7 @@ positions (right-padded after EOS).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 
@@ -74,6 +75,8 @@ def generate(
     suppress_eos: bool = False,
     return_logprobs: bool = False,
     share_prompts: bool = False,
+    stop_token_ids: Sequence[int] = (),
+    add_special_tokens: bool = True,
 ) -> Completions:
     """Generate one completion per prompt (repeat prompts for groups), in eval mode. No top-k truncation is
     applied, so samples come from softmax(logits / temperature), optionally nucleus-filtered by `top_p`, and from
@@ -83,26 +86,47 @@ def generate(
     faster than `no_grad` at the anchor workload's size, same numbers; `no_grad` for an FSDP-sharded model,
     whose gathered parameters must stay ordinary tensors); the tensors returned are ordinary ones.
     `share_prompts`: a prompt repeated in `prompts` (a group) is prefilled once (`prefill_distinct_prompts`; not for
-    an FSDP-sharded model, whose ranks must make the same decoder calls)."""
+    an FSDP-sharded model, whose ranks must make the same decoder calls).
+    A completion ends at its first stop token (`stop_ids`: the tokenizer's EOS, every EOS of the checkpoint's
+    generation config, and `stop_token_ids`), which it keeps. `add_special_tokens=False` for prompts already
+    rendered by a chat template, which hold their own special tokens (TRL tokenizes them so too)."""
     sharded = is_sharded(model)
+    stop = stop_ids(tokenizer, model, stop_token_ids)
     with torch.no_grad() if sharded else torch.inference_mode():
         completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greedy, suppress_eos,
-                              return_logprobs, share_prompts, sharded)
+                              return_logprobs, share_prompts, sharded, stop, add_special_tokens)
     return completions.cloned()
 
 
+def stop_ids(tokenizer, model, extra: Sequence[int] = ()) -> list[int]:
+    """The tokens that end a completion: the tokenizer's EOS, every id of the checkpoint's
+    `generation_config.eos_token_id` (an int or a list; Qwen2.5's names <|endoftext|> where its tokenizer names
+    <|im_end|>) and `extra` (rollout.stop_token_ids), as TRL 1.16 takes them.
+
+    >>> from types import SimpleNamespace as NS
+    >>> stop_ids(NS(eos_token_id=7), NS(generation_config=NS(eos_token_id=[7, 9])), [3])
+    [7, 9, 3]
+    """
+    found = [tokenizer.eos_token_id]
+    saved = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    found += saved if isinstance(saved, (list, tuple)) else [saved]
+    found += list(extra)
+    return list(dict.fromkeys(int(i) for i in found if i is not None))
+
+
 def sampling_config(tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
-                    suppress_eos=False) -> GenerationConfig:
+                    suppress_eos=False, stop: Sequence[int] | None = None) -> GenerationConfig:
     """Every setting `generate` decodes with, from the arguments alone (greedy, or sampling from softmax(logits /
-    temperature) with only the `top_p` nucleus filter: top_k=0 overrides transformers' default of 50)."""
-    eos = tokenizer.eos_token_id
+    temperature) with only the `top_p` nucleus filter: top_k=0 overrides transformers' default of 50); decoding
+    stops at any of `stop` (default the tokenizer's EOS)."""
+    eos = list(stop) if stop else [tokenizer.eos_token_id]
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     return GenerationConfig(
         **sampling,
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens if suppress_eos else 0,
-        suppress_tokens=[eos] if suppress_eos else None,
-        eos_token_id=eos,
+        suppress_tokens=eos if suppress_eos else None,
+        eos_token_id=eos if len(eos) > 1 else eos[0],
         pad_token_id=tokenizer.pad_token_id,
         use_cache=True,
         return_dict_in_generate=True,
@@ -194,11 +218,10 @@ class StepLogprobs:
 
 
 def _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greedy, suppress_eos,
-            return_logprobs, share_prompts, sharded) -> Completions:
+            return_logprobs, share_prompts, sharded, stop, add_special_tokens) -> Completions:
     device = next(model.parameters()).device
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
-    eos = tokenizer.eos_token_id
-    config = sampling_config(tokenizer, max_new_tokens, temperature, top_p, greedy, suppress_eos)
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
+    config = sampling_config(tokenizer, max_new_tokens, temperature, top_p, greedy, suppress_eos, stop)
     was_training = model.training
     model.eval()
     # FSDP: every decoder call gathers parameters from all ranks, so every rank must make the same calls: no
@@ -216,8 +239,8 @@ def _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greed
     prompt_len = encoded["input_ids"].shape[1]
     completion_ids = output.sequences[:, prompt_len:]
     logprobs = None if step_logprobs is None else step_logprobs.of(completion_ids)
-    is_eos = completion_ids == eos
-    # keep tokens up to and including the first EOS
+    # a stop token, not the pad id (often the EOS itself): keep tokens up to and including the first one
+    is_eos = torch.isin(completion_ids, torch.tensor(stop, device=completion_ids.device))
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     completion_mask = (~after_eos).long()
     completion_ids = completion_ids.masked_fill(after_eos, tokenizer.pad_token_id)

@@ -23,6 +23,7 @@ class Example:
     prompt: str  # what the model is given, e.g. "123+456="
     answer: str  # the reference answer, e.g. "579"
     meta: dict[str, Any] = field(default_factory=dict, compare=False)  # task-specific data (numbers, target)
+    solution: str | None = field(default=None, compare=False)  # a worked solution to imitate, where the data has one
 
 
 class Task(ABC):

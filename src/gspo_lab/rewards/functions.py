@@ -1,0 +1,142 @@
+"""Built-in reward functions, each with TRL's contract (`fn(prompts, completions, **columns) -> list`).
+
+Select them with `reward=<option>` (conf/reward/) or list them under `reward.functions`, each with its
+`_target_` and `weight`; settings other than `weight` and `name` are bound as keyword arguments.
+
+>>> exact_match(["1+1="] * 2, ["2", " 3 "], answer=["2", "2"])
+[1.0, 0.0]
+>>> numeric_match(None, ["The sum is 1,000.", "no number"], answer=["1000", "7"])
+[1.0, 0.0]
+>>> boxed_match(None, [r"so \\boxed{12}", "12"], answer=["12", "12"])
+[1.0, 0.0]
+>>> think_format(None, ["<think>\\nadd them\\n</think>\\n2", "2"])
+[1.0, 0.0]
+>>> soft_overlong_punishment(None, None, completion_ids=[[1] * 6, [1] * 9, [1] * 12], max_length=10, cache_length=4)
+[0.0, -0.75, -1.0]
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gspo_lab.tasks.base import Example, Task
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+THINK = re.compile(r"^\s*<think>.*?</think>\s*\S", re.DOTALL)
+
+
+def text_of(completion: Any) -> str:
+    """A completion's text: the string itself, or a conversational completion's last message's content."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def last_boxed(text: str) -> str | None:
+    r"""The content of the last `\boxed{...}` in `text`, braces balanced, or None.
+
+    >>> last_boxed(r"first \boxed{1}, then \boxed{\frac{1}{2}}")
+    '\\frac{1}{2}'
+    """
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
+
+def last_number(text: str) -> float | None:
+    """The last number in `text` (thousands separators dropped), or None."""
+    found = NUMBER.findall(text)
+    try:
+        return float(found[-1].replace(",", "")) if found else None
+    except ValueError:
+        return None
+
+
+def exact_match(prompts, completions, answer, **kwargs) -> list[float]:
+    """1 where the stripped completion equals the stripped reference answer."""
+    return [float(text_of(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def numeric_match(prompts, completions, answer, tolerance: float = 1e-6, **kwargs) -> list[float]:
+    """1 where the last number of the completion is within `tolerance` of the reference's value; None where the
+    reference is not a number (the function does not apply)."""
+    rewards = []
+    for completion, reference in zip(completions, answer):
+        want, got = last_number(str(reference)), last_number(text_of(completion))
+        rewards.append(None if want is None else float(got is not None and abs(got - want) <= tolerance))
+    return rewards
+
+
+def boxed_match(prompts, completions, answer, **kwargs) -> list[float]:
+    r"""1 where the completion's last `\boxed{}` holds the reference answer (stripped strings equal)."""
+    rewards = []
+    for completion, reference in zip(completions, answer):
+        boxed = last_boxed(text_of(completion))
+        rewards.append(float(boxed is not None and boxed.strip() == (last_boxed(str(reference)) or str(reference)).strip()))
+    return rewards
+
+
+def think_format(prompts, completions, **kwargs) -> list[float]:
+    """1 where the completion opens with a closed `<think>...</think>` block followed by an answer (open-r1's
+    format reward, without its exact newlines)."""
+    return [float(THINK.match(text_of(c)) is not None) for c in completions]
+
+
+def soft_overlong_punishment(prompts, completions, completion_ids, max_length: int, cache_length: int,
+                             **kwargs) -> list[float]:
+    """DAPO's soft overlong punishment (arXiv 2503.14476 eq. 13): 0 up to `max_length - cache_length` tokens,
+    then falling linearly to -1 at `max_length`, -1 beyond."""
+    if not 0 < cache_length <= max_length:
+        raise ValueError(f"soft_overlong_punishment: cache_length={cache_length!r} must satisfy 0 < cache_length <= "
+                         f"max_length={max_length!r}")
+    free = max_length - cache_length
+    return [0.0 if len(ids) <= free else (free - len(ids)) / cache_length if len(ids) <= max_length else -1.0
+            for ids in completion_ids]
+
+
+def math_accuracy(prompts, completions, answer, latex_only: bool = True, **kwargs) -> list[float | None]:
+    r"""1 where math-verify finds the completion's answer equal to the reference (`\frac{1}{2}` = 0.5, units,
+    boxed), 0 where not, None where the reference does not parse. The gold answer is parsed as TRL's and
+    open-r1's accuracy reward parse it (default extraction, first match); the completion with LaTeX extraction,
+    `\boxed{}` first, only anchored answers, unless `latex_only=false` adds plain expressions ("the answer is
+    42", as GSM8K-style completions end)."""
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    latex = LatexExtractionConfig(
+        normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
+                                                 boxed="all", units=True),
+        boxed_match_priority=0, try_extract_without_anchor=False)
+    extraction = [latex] if latex_only else [latex, ExprExtractionConfig()]
+    rewards = []
+    for completion, reference in zip(completions, answer):
+        gold = parse(str(reference), extraction_mode="first_match")
+        if not gold:
+            rewards.append(None)
+            continue
+        got = parse(text_of(completion), extraction_config=extraction, extraction_mode="first_match")
+        rewards.append(float(verify(gold, got)))
+    return rewards
+
+
+class TaskReward:
+    """A task's own checker as a reward function (`Task.reward`: 1 correct, `task.format_weight` well-formed,
+    else 0), named after the task. The example is rebuilt from the prompt, the `answer` column and the
+    task's other columns (its `Example.meta`)."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self.__name__ = task.name
+
+    def __call__(self, prompts, completions, answer, **columns) -> list[float]:
+        columns.pop("completion_ids", None)
+        rewards = []
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            example = Example(prompt, answer[i], {key: values[i] for key, values in columns.items()})
+            rewards.append(float(self.task.reward(example, text_of(completion))))
+        return rewards

@@ -1,0 +1,153 @@
+"""A dataset loaded with `datasets.load_dataset` (task=hf): a hub id when online, or local json/jsonl/parquet/csv.
+
+Columns map onto an example: `prompt_column` (text, or a list of chat messages) is the prompt, `answer_column`
+the reference answer (optionally cut out by `answer_pattern`, e.g. GSM8K's `#### (.+)`), every other column is
+kept and reaches the reward functions as a keyword. The held-out set is a named split (`eval_split`) or, without
+one, the hash split of `Task` over the prompts. The task's own checker (reward=task, and eval/accuracy) compares
+the completion with the reference by `match`: math_verify (the default), numeric (last number) or exact.
+
+    task=hf task.path=openai/gsm8k task.name=main task.prompt_column=question task.answer_pattern='#### (.+)'
+    task=hf task.path=/data/gsm8k.parquet task.prompt_column=question task.answer_pattern='#### (.+)'
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from gspo_lab.tasks.base import Example, Task
+from gspo_lab.tasks.jsonl import JsonlTask
+
+log = logging.getLogger(__name__)
+MATCHES = ("math_verify", "numeric", "exact")
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_split(path: str, name: str | None, data_files: Any, split: str, revision: str | None) -> list[dict]:
+    """The rows of one split. A local file is read with the builder its suffix names (no hub needed); anything
+    else goes to `datasets.load_dataset` as given (a hub id, a local dataset folder, a builder with data_files)."""
+    from datasets import load_dataset  # imported here: tasks that do not load data need not pay for it
+
+    builder, files = path, data_files
+    local = Path(path).expanduser()
+    if local.is_file():
+        if local.suffix not in BUILDERS:
+            raise ValueError(f"task.path={path!r}: a local file must end in one of {sorted(BUILDERS)}")
+        builder, files = BUILDERS[local.suffix], str(local)
+    try:
+        dataset = load_dataset(builder, name, data_files=files, split=split, revision=revision)
+    except Exception as error:  # noqa: BLE001 - datasets raises many types; the message names the source
+        raise ValueError(f"task.path={path!r} (name={name!r}, data_files={data_files!r}, split={split!r}) could not be "
+                         f"loaded: {type(error).__name__}: {error}") from None
+    return [dict(row) for row in dataset]
+
+
+class HFDataset(JsonlTask):
+    """Examples from a `datasets` split; the held-out set from `eval_split` or the hash split.
+
+    Args:
+        path, name, data_files, split, revision: `datasets.load_dataset`'s arguments (a local file path alone
+            is enough: its suffix picks the builder).
+        eval_split: the held-out split's name (e.g. "test"); null holds out a hash share of `split`.
+        prompt_column: the prompt, text or a list of {role, content} messages.
+        answer_column: the reference answer; `answer_pattern` (a regex) keeps its first group, e.g. "#### (.+)".
+        solution_column: what the cold start imitates (`sft.enabled=true`), e.g. GSM8K's worked `answer`;
+            null imitates the reference answer.
+        match: the task's checker: math_verify, numeric or exact.
+        max_prompt_tokens: prompts longer than this, as formatted for the model, are dropped once the tokenizer
+            is loaded (`drop_long_prompts`, counted and logged); None keeps every prompt.
+        Other arguments: see `Task`.
+    """
+
+    name = "hf"
+
+    def __init__(self, path=None, name=None, data_files=None, split="train", eval_split=None, revision=None,
+                 prompt_column="prompt", answer_column="answer", answer_pattern=None, solution_column=None,
+                 match="math_verify", max_prompt_tokens=None, rows=None, eval_rows=None, **kwargs) -> None:
+        Task.__init__(self, **kwargs)
+        if match not in MATCHES:
+            raise ValueError(f"task.match={match!r} must be one of {list(MATCHES)}")
+        if path is None and rows is None:
+            raise ValueError("task.path is not set: task=hf needs task.path=<hub id, dataset folder or data file>")
+        self.match, self.tolerance = match, 1e-6
+        self.prompt_column, self.answer_column, self.solution_column = prompt_column, answer_column, solution_column
+        self.pattern = re.compile(answer_pattern) if answer_pattern else None
+        source = path or "the rows given"
+        rows = rows if rows is not None else load_split(path, name, data_files, split, revision)
+        self.records = self._examples(rows, f"{source} split {split!r}")
+        self.eval_records = None
+        if eval_split is not None or eval_rows is not None:
+            eval_rows = eval_rows if eval_rows is not None else load_split(path, name, data_files, eval_split, revision)
+            self.eval_records = self._examples(eval_rows, f"{source} split {eval_split!r}")
+        else:
+            self._check_split(source)
+        if max_prompt_tokens is not None and not (isinstance(max_prompt_tokens, int) and max_prompt_tokens >= 1):
+            raise ValueError(f"task.max_prompt_tokens={max_prompt_tokens!r} must be null or an integer >= 1")
+        self.max_prompt_tokens, self.dropped_long = max_prompt_tokens, 0
+
+    def _examples(self, rows: list[dict], where: str) -> list[Example]:
+        if not rows:
+            raise ValueError(f"{where}: no rows")
+        for key, column in (("task.prompt_column", self.prompt_column), ("task.answer_column", self.answer_column)):
+            if column not in rows[0]:
+                raise ValueError(f"{key}={column!r} is not a column of {where}; its columns are {sorted(rows[0])}")
+        if self.solution_column is not None and self.solution_column not in rows[0]:
+            raise ValueError(f"task.solution_column={self.solution_column!r} is not a column of {where}; its columns "
+                             f"are {sorted(rows[0])}")
+        return [self._example(row, f"{where}, row {i}") for i, row in enumerate(rows)]
+
+    def _example(self, row: dict, where: str) -> Example:
+        prompt, reference = row[self.prompt_column], str(row[self.answer_column])
+        if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt):
+            raise ValueError(f"{where}: column {self.prompt_column!r} must be non-empty text or a list of messages, "
+                             f"got {prompt!r}")
+        if self.pattern is not None:
+            found = self.pattern.search(reference)
+            if found is None:
+                raise ValueError(f"{where}: task.answer_pattern={self.pattern.pattern!r} finds nothing in "
+                                 f"{self.answer_column}={reference!r}")
+            reference = found.group(1) if found.groups() else found.group(0)
+        # every other column reaches the rewards; `answer` is the reference's name there
+        meta = {key: value for key, value in row.items() if key not in (self.prompt_column, "answer")}
+        solution = None if self.solution_column is None else str(row[self.solution_column])
+        return Example(prompt=prompt, answer=reference.strip(), meta=meta, solution=solution)
+
+    def split_of(self, prompt) -> str:
+        return super().split_of(prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True))
+
+    def drop_long_prompts(self, render, tokenizer, max_tokens: int) -> int:
+        """Drop the examples whose formatted prompt is longer than `max_tokens` tokens; returns how many."""
+        def fits(example: Example) -> bool:
+            ids = tokenizer(render.text(example), add_special_tokens=render.add_special_tokens)["input_ids"]
+            return len(ids) <= max_tokens
+
+        before = len(self.records) + len(self.eval_records or [])
+        self.records = [e for e in self.records if fits(e)]
+        if self.eval_records is not None:
+            self.eval_records = [e for e in self.eval_records if fits(e)]
+        self.dropped_long = before - len(self.records) - len(self.eval_records or [])
+        if not self.records or self.eval_records == [] or not self.pool("eval"):
+            raise ValueError(f"task.max_prompt_tokens={max_tokens}: no prompt of the training or held-out data fits")
+        log.info("task=hf: dropped %d of %d prompts longer than %d tokens", self.dropped_long, before, max_tokens)
+        return self.dropped_long
+
+    def demonstration(self, example: Example) -> str:
+        return example.answer if example.solution is None else example.solution
+
+    def is_correct(self, example: Example, completion: str) -> bool:
+        from gspo_lab.rewards.functions import math_accuracy, numeric_match
+
+        if self.match == "exact":
+            return completion.strip() == example.answer
+        check = math_accuracy if self.match == "math_verify" else numeric_match
+        extra = {"latex_only": False} if self.match == "math_verify" else {}
+        try:
+            return check(None, [completion], answer=[example.answer], **extra)[0] == 1.0
+        except Exception:  # noqa: BLE001 - the checker must not raise on model output
+            return False
+
+    def is_well_formed(self, example: Example, completion: str) -> bool:
+        return bool(completion.strip())

@@ -1,0 +1,148 @@
+"""The reward axis: TRL's contract, weights and None, names, refusals, and grading that survives bad verifiers."""
+
+import functools
+import math
+import time
+
+import pytest
+import torch
+
+from gspo_lab.rewards import (
+    GradingPool,
+    RewardContractError,
+    RewardFunction,
+    WeightedRewards,
+    build_rewards,
+    math_accuracy,
+    reward_name,
+)
+from gspo_lab.tasks import Arithmetic
+from tests.rewards import user_rewards
+
+PROMPTS = ["1+1=", "2+5=", "3+3="]
+TEXTS = ["2", "so 7", "six 6"]
+IDS = [[5], [6, 7, 8, 9], [1, 2, 3, 4, 5]]
+COLUMNS = {"answer": ["2", "7", "6"]}
+
+
+def target(name: str) -> str:
+    return f"tests.rewards.user_rewards.{name}"
+
+
+def test_the_total_is_the_weighted_sum_of_the_functions_that_apply_and_none_applies_nowhere():
+    rewards = build_rewards({"functions": [{"_target_": target("ends_with_answer"), "weight": 1.0},
+                                           {"_target_": target("short"), "weight": -2.0, "max_chars": 1}]}, task=None)
+    scores = rewards.score(PROMPTS, TEXTS, IDS, COLUMNS)
+    # ends_with_answer: 1, 1, 1; short (<= 1 char): 0.5, None, None -> 1 - 2 * 0.5 = 0, 1, 1
+    assert scores.total.tolist() == [0.0, 1.0, 1.0] and scores.applies.all()
+    assert torch.equal(scores.per_function["short"].isnan(), torch.tensor([False, True, True]))
+    assert scores.metrics["reward/short/mean"] == 0.5 and scores.metrics["reward/ends_with_answer/std"] == 0.0
+    alone = build_rewards({"functions": [{"_target_": target("short"), "max_chars": 1}]}, task=None)
+    assert alone.score(PROMPTS, TEXTS, IDS, COLUMNS).applies.tolist() == [True, False, False]
+
+
+def test_every_column_but_the_prompt_reaches_the_function_one_entry_per_completion():
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, **columns):
+        seen.setdefault("calls", []).append((prompts, completions, completion_ids, columns))
+        return [0.0] * len(completions)
+
+    WeightedRewards([RewardFunction(spy)]).score(PROMPTS, TEXTS, IDS, {**COLUMNS, "level": [1, 2, 3]})
+    assert seen["calls"][1] == (["2+5="], ["so 7"], [[6, 7, 8, 9]], {"answer": ["7"], "level": [2]})
+
+
+def test_names_follow_trl_a_function_a_partial_a_callable_class_or_a_given_name():
+    assert reward_name(user_rewards.short) == "short"
+    assert reward_name(functools.partial(user_rewards.short, max_chars=2)) == "short"
+    assert reward_name(user_rewards.LengthPenalty()) == "LengthPenalty"
+    built = build_rewards({"functions": [{"_target_": target("LengthPenalty"), "per_char": 0.5},
+                                         {"_target_": target("short"), "name": "brevity"}]}, task=None)
+    assert [f.name for f in built.functions] == ["LengthPenalty", "brevity"]
+    assert built.score(PROMPTS, TEXTS, IDS, COLUMNS).per_function["LengthPenalty"].tolist() == [-0.5, -2.0, -2.5]
+    with pytest.raises(ValueError, match="two functions are named 'short'"):
+        build_rewards({"functions": [{"_target_": target("short")}, {"_target_": target("short")}]}, task=None)
+
+
+def test_a_function_without_kwargs_or_a_bad_target_is_refused_at_start_up_by_name():
+    with pytest.raises(ValueError, match=r"reward.functions\[1\] \(no_kwargs\) must accept \*\*kwargs"):
+        build_rewards({"functions": [{"_target_": target("short")}, {"_target_": target("no_kwargs")}]}, task=None)
+    with pytest.raises(ValueError, match=r"reward.functions\[0\]._target_='tests.rewards.user_rewards.missing' cannot"):
+        build_rewards({"functions": [{"_target_": target("missing")}]}, task=None)
+    with pytest.raises(ValueError, match="reward.functions=\\[\\] must be a non-empty list"):
+        build_rewards({"functions": []}, task=None)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("wrong_length", r"reward function wrong_length returned list of length 2 for 1 completion \(completion 0\)"),
+    ("non_finite", r"reward function non_finite returned nan \(completion 0\); a reward must be a finite number"),
+])
+def test_a_reward_that_breaks_the_contract_stops_the_run_naming_the_function(name, message):
+    rewards = build_rewards({"functions": [{"_target_": target(name)}]}, task=None)
+    with pytest.raises(RewardContractError, match=message):
+        rewards.score(PROMPTS, TEXTS, IDS, COLUMNS, where=lambda i: f"completion {i}")
+
+
+def test_a_function_that_raises_scores_zero_there_is_counted_and_logged_once(caplog):
+    rewards = build_rewards({"functions": [{"_target_": target("flaky"), "weight": 2.0}]}, task=None)
+    scores = rewards.score(PROMPTS * 2, TEXTS * 2, IDS * 2, {"answer": COLUMNS["answer"] * 2})
+    assert scores.total.tolist() == [2.0, 0.0, 2.0] * 2  # "so 7" raises: 0 for that completion only
+    assert scores.metrics["reward/flaky/errors"] == 2 and scores.metrics["reward/errors"] == 2
+    assert caplog.text.count("reward function flaky raised KeyError('bug in the reward function')") == 1
+    with pytest.raises(RuntimeError, match=r"flaky raised KeyError.*\(train.on_reward_error=raise\)"):
+        WeightedRewards(rewards.functions, on_error="raise").score(PROMPTS, TEXTS, IDS, COLUMNS)
+
+
+def test_a_verifier_that_never_returns_times_out_in_its_worker_and_grading_goes_on():
+    pool = GradingPool(num_workers=2, timeout_s=1.0)
+    rewards = WeightedRewards([RewardFunction(user_rewards.sleepy), RewardFunction(user_rewards.flaky),
+                               RewardFunction(user_rewards.ends_with_answer)], runner=pool)
+    try:
+        started = time.monotonic()
+        scores = rewards.score(PROMPTS, TEXTS, IDS, COLUMNS)
+        first = time.monotonic() - started
+        # sleepy hangs on "so 7" and is killed; flaky raises there; ends_with_answer gives 1 everywhere
+        assert scores.per_function["sleepy"].tolist() == [0.0, 0.0, 0.0]
+        assert scores.per_function["flaky"].tolist() == [1.0, 0.0, 1.0]
+        assert scores.total.tolist() == [2.0, 1.0, 2.0]
+        assert scores.metrics["reward/sleepy/timeouts"] == 1 and scores.metrics["reward/flaky/errors"] == 1
+        assert scores.metrics["reward/timeouts"] == 1 and scores.metrics["reward/errors"] == 1
+        assert first < 60  # not the hour the verifier sleeps
+        again = rewards.score(PROMPTS, TEXTS, IDS, COLUMNS)  # the killed worker was replaced
+        assert again.total.tolist() == [2.0, 1.0, 2.0] and again.metrics["reward/sleepy/timeouts"] == 2
+    finally:
+        pool.close()
+
+
+def test_the_counts_are_saved_and_restored():
+    rewards = WeightedRewards([RewardFunction(user_rewards.flaky)])
+    rewards.score(PROMPTS, TEXTS, IDS, COLUMNS)
+    restored = WeightedRewards([RewardFunction(user_rewards.flaky)])
+    restored.load_state_dict(rewards.state_dict())
+    assert restored.score(PROMPTS, TEXTS, IDS, COLUMNS).metrics["reward/flaky/errors"] == 2
+
+
+def test_the_tasks_checker_is_a_reward_function_named_after_the_task():
+    rewards = build_rewards({"functions": [{"_target_": "gspo_lab.rewards.TaskReward"}]},
+                            task=Arithmetic(format_weight=0.5))
+    scores = rewards.score(["1+1=", "1+1=", "1+1="], ["2", "3", "two"], [[1]] * 3, {"answer": ["2"] * 3})
+    assert rewards.functions[0].name == "arithmetic" and scores.total.tolist() == [1.0, 0.5, 0.0]
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    (r"so $\boxed{\frac{1}{2}}$", "0.5", 1.0),
+    (r"The answer is $0.5$.", r"\frac{1}{2}", 1.0),
+    (r"$\boxed{\frac{1}{3}}$", "0.5", 0.0),
+    (r"it is $\boxed{5\text{ cm}}$", "5", 1.0),
+    (r"first $\boxed{3}$ then $\boxed{4}$", "3", 0.0),  # the last boxed answer counts
+    (r"first $\boxed{3}$ then $\boxed{4}$", "4", 1.0),
+    ("the answer is 42", "42", 0.0),  # LaTeX only, as TRL: no anchor-less plain number
+    (r"$\boxed{2}$", "no number here", None),  # the gold does not parse: the function does not apply
+])
+def test_math_accuracy_on_answers_in_real_formats(completion, gold, reward):
+    assert math_accuracy(None, [completion], answer=[gold]) == [reward]
+
+
+def test_math_accuracy_reads_plain_answers_when_not_latex_only():
+    assert math_accuracy(None, ["4 + 38 = 42. The answer is 42"], answer=["42"], latex_only=False) == [1.0]
+    assert math_accuracy(None, ["the answer is 41"], answer=["42"], latex_only=False) == [0.0]

@@ -1,0 +1,50 @@
+"""Reward functions as a user writes them for TRL, in their own module, reached through `_target_`; some with
+the bugs a grader must survive."""
+
+import time
+
+
+def ends_with_answer(prompts, completions, answer, **kwargs):
+    """1 where the completion ends with the reference answer (reasoning before it allowed)."""
+    return [1.0 if c.strip().endswith(a) else 0.0 for c, a in zip(completions, answer)]
+
+
+def short(completions, max_chars=3, **kwargs):
+    """A shaping term that applies to short completions only: None elsewhere."""
+    return [0.5 if len(c) <= max_chars else None for c in completions]
+
+
+def flaky(prompts, completions, **kwargs):
+    """Raises on completions containing '7'."""
+    if any("7" in c for c in completions):
+        raise KeyError("bug in the reward function")
+    return [1.0] * len(completions)
+
+
+def sleepy(prompts, completions, **kwargs):
+    """Never returns on completions containing '7' (a verifier stuck in C code looks the same from outside)."""
+    if any("7" in c for c in completions):
+        time.sleep(3600)
+    return [0.0] * len(completions)
+
+
+def wrong_length(prompts, completions, **kwargs):
+    return [1.0, 1.0]
+
+
+def non_finite(prompts, completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+
+def no_kwargs(prompts, completions):
+    return [0.0] * len(completions)
+
+
+class LengthPenalty:
+    """A callable class with settings, as TRL users write them."""
+
+    def __init__(self, per_char=0.01):
+        self.per_char = per_char
+
+    def __call__(self, completions, **kwargs):
+        return [-self.per_char * len(c) for c in completions]

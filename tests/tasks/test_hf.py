@@ -1,0 +1,59 @@
+"""task=hf: data through datasets.load_dataset from local files, columns mapped, answers extracted, split."""
+
+import pandas as pd
+import pytest
+
+from gspo_lab.tasks import HFDataset
+from tests.chat_model import word_problems, write_jsonl
+
+GSM8K = dict(prompt_column="question", answer_pattern="#### (.+)")
+
+
+@pytest.fixture
+def gsm8k_jsonl(tmp_path):
+    return write_jsonl(tmp_path / "gsm8k.jsonl", word_problems(60))
+
+
+def test_a_gsm8k_file_loads_with_its_answer_extracted_and_every_other_column_kept(gsm8k_jsonl):
+    task = HFDataset(path=str(gsm8k_jsonl), solution_column="answer", **GSM8K)
+    first = word_problems(60)[0]  # "Tom has a apples and buys b more. ...", "a + b = c\n#### c"
+    example = next(e for e in task.records if e.prompt == first["question"])
+    assert example.answer == first["answer"].split("#### ")[1] and example.meta == {"level": first["level"]}
+    assert task.demonstration(example) == first["answer"]  # the worked solution, for the cold start
+    assert len(task.pool("train")) + len(task.pool("eval")) == 60 and task.pool("eval")  # the hash split
+    assert task.reward(example, f"so the answer is {example.answer}") == 1.0  # math_verify reads plain answers
+    assert task.reward(example, "so the answer is 1000") == 0.0
+
+
+def test_parquet_and_a_named_held_out_split_load_through_datasets(tmp_path):
+    pd.DataFrame(word_problems(30)).to_parquet(tmp_path / "train.parquet")
+    pd.DataFrame(word_problems(10, seed=1)).to_parquet(tmp_path / "test.parquet")
+    files = {"train": str(tmp_path / "train.parquet"), "test": str(tmp_path / "test.parquet")}
+    task = HFDataset(path="parquet", data_files=files, eval_split="test", **GSM8K)
+    assert len(task.records) == 30 and len(task.eval_records) == 10
+    assert {e.prompt for e in task.eval_examples()} == {r["question"] for r in word_problems(10, seed=1)}
+
+
+def test_conversational_prompts_are_kept_as_messages(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}?"}], "answer": str(2 * i)} for i in range(40)]
+    task = HFDataset(path=str(write_jsonl(tmp_path / "chat.jsonl", rows)), match="numeric")
+    assert all(isinstance(e.prompt, list) for e in task.records) and task.pool("eval")
+    example = task.records[3]
+    assert task.reward(example, f"it is {example.answer}") == 1.0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"prompt_column": "prompt"}, r"task.prompt_column='prompt' is not a column of .*gsm8k.jsonl split 'train'; its "
+                                  r"columns are \['answer', 'level', 'question'\]"),
+    ({"prompt_column": "question", "answer_pattern": "=== (.+)"}, r"row 0: task.answer_pattern='=== \(.\+\)' finds "
+                                                                 r"nothing in answer="),
+    ({"prompt_column": "question", "match": "fuzzy"}, r"task.match='fuzzy' must be one of"),
+])
+def test_bad_columns_and_patterns_are_refused_naming_the_key(gsm8k_jsonl, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        HFDataset(path=str(gsm8k_jsonl), **overrides)
+
+
+def test_a_missing_file_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"task.path='.*missing.jsonl'.*could not be loaded"):
+        HFDataset(path=str(tmp_path / "missing.jsonl"))
