@@ -6,8 +6,8 @@ kept and reaches the reward functions as a keyword. The held-out set is a named 
 one, the hash split of `Task` over the prompts. The task's own checker (reward=task, and eval/accuracy) compares
 the completion with the reference by `match`: math_verify (the default), numeric (last number) or exact.
 
-    task=hf task.path=openai/gsm8k task.name=main task.prompt_column=question task.answer_pattern='#### (.+)'
-    task=hf task.path=/data/gsm8k.parquet task.prompt_column=question task.answer_pattern='#### (.+)'
+    task=hf task.path=openai/gsm8k task.name=main task.prompt_column=question "task.answer_pattern='#### (.+)'"
+    task=hf task.path=/data/gsm8k.parquet task.prompt_column=question "task.answer_pattern='#### (.+)'"
 """
 
 from __future__ import annotations
