@@ -146,3 +146,21 @@ def test_math_accuracy_on_answers_in_real_formats(completion, gold, reward):
 def test_math_accuracy_reads_plain_answers_when_not_latex_only():
     assert math_accuracy(None, ["4 + 38 = 42. The answer is 42"], answer=["42"], latex_only=False) == [1.0]
     assert math_accuracy(None, ["the answer is 41"], answer=["42"], latex_only=False) == [0.0]
+
+
+def grade_in_a_joblib_worker(texts):
+    pool = GradingPool(num_workers=1, timeout_s=30.0)
+    try:
+        return WeightedRewards([RewardFunction(user_rewards.ends_with_answer)], runner=pool).score(
+            PROMPTS, texts, IDS, COLUMNS).total.tolist()
+    finally:
+        pool.close()
+
+
+def test_grading_workers_start_inside_a_joblib_launcher_job():
+    """hydra/launcher=joblib runs jobs in loky processes, whose start method a multiprocessing child cannot set
+    ('cannot find context for loky'): every job of a joblib sweep with reward workers failed."""
+    from joblib import Parallel, delayed
+
+    results = Parallel(n_jobs=2, backend="loky")(delayed(grade_in_a_joblib_worker)(TEXTS) for _ in range(2))
+    assert results == [[1.0, 1.0, 1.0]] * 2

@@ -2,8 +2,8 @@
 never returns.
 
 math-verify's own timeout is `signal.alarm` (main thread only), and it cannot interrupt sympy stuck in C code
-(Math-Verify issue #65); a thread cannot be stopped at all. So each call runs in one of `num_workers` spawned
-processes; a call still running `timeout_s` after it started is a timeout, and its worker is killed and replaced
+(Math-Verify issue #65); a thread cannot be stopped at all. So each call runs in one of `num_workers` worker
+processes (fresh Python interpreters on a socket); a call still running `timeout_s` after it started is a timeout, and its worker is killed and replaced
 (as verl grades in a spawn ProcessPoolExecutor with `result(timeout=...)`, but per call: a pool's future cannot
 be cancelled once it runs). A worker that dies (a segfault in C code) makes its call an error.
 
@@ -19,7 +19,10 @@ path (a function defined in a script run as `__main__` is not; put it in a modul
 from __future__ import annotations
 
 import logging
-import multiprocessing
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
@@ -31,8 +34,10 @@ log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300  # a worker's imports before its first call
 
 
-def _serve(connection: Connection) -> None:
-    """A worker: say it is ready, then run each call it receives and send back its Outcome, until None."""
+def serve(fd: int) -> None:
+    """A worker process: over the socket `fd`, say it is ready, then run each call it receives and send back its
+    Outcome, until it receives None."""
+    connection = Connection(fd)
     connection.send("ready")
     while True:
         call = connection.recv()
@@ -42,11 +47,18 @@ def _serve(connection: Connection) -> None:
 
 
 class Worker:
-    def __init__(self, context) -> None:
-        self.connection, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child,), daemon=True, name="gspo-reward-worker")
-        self.process.start()
+    """A fresh Python process (not multiprocessing's spawn: under a joblib/loky launcher its start method does
+    not exist in the child, and spawn re-imports the parent's __main__) that imports what the parent can: its
+    sys.path is the parent's."""
+
+    def __init__(self) -> None:
+        parent, child = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        code = f"from gspo_lab.rewards.pool import serve; serve({child.fileno()})"
+        self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child.fileno()], env=env,
+                                        stdin=subprocess.DEVNULL)
         child.close()
+        self.connection = Connection(parent.detach())
         self.job: int | None = None  # the index of the call it runs
         self.started = 0.0
         # a call's timeout counts from its start, not from the worker's imports (torch, sympy: seconds)
@@ -56,7 +68,7 @@ class Worker:
 
     def kill(self) -> None:
         self.process.kill()
-        self.process.join()
+        self.process.wait()
         self.connection.close()
 
 
@@ -70,12 +82,11 @@ class GradingPool:
         if not timeout_s > 0:
             raise ValueError(f"reward.timeout_s={timeout_s!r} must be > 0")
         self.num_workers, self.timeout_s = num_workers, timeout_s
-        self.context = multiprocessing.get_context("spawn")  # no fork of a process holding threads and CUDA
         self.workers: list[Worker] = []
 
     def __call__(self, calls: list[tuple[Callable, tuple, dict]]) -> list[Outcome]:
         if not self.workers:
-            self.workers = [Worker(self.context) for _ in range(self.num_workers)]
+            self.workers = [Worker() for _ in range(self.num_workers)]
         outcomes: list[Outcome | None] = [None] * len(calls)
         queue = deque(range(len(calls)))
         while queue or any(w.job is not None for w in self.workers):
@@ -96,13 +107,13 @@ class GradingPool:
                         continue
                     except (EOFError, OSError):  # the worker died mid-call
                         outcomes[worker.job] = Outcome(failure="error",
-                                                       detail=f"the worker process died (exit code {worker.process.exitcode})")
+                                                       detail=f"the worker process died (exit code {worker.process.poll()})")
                 elif time.monotonic() - worker.started >= self.timeout_s:
                     outcomes[worker.job] = Outcome(failure="timeout", detail=f"still running after {self.timeout_s} s")
                 else:
                     continue
                 worker.kill()
-                self.workers[k] = Worker(self.context)
+                self.workers[k] = Worker()
         return outcomes  # type: ignore[return-value]
 
     def close(self) -> None:
@@ -111,8 +122,9 @@ class GradingPool:
                 worker.connection.send(None)
             except OSError:
                 pass
-            worker.process.join(timeout=5)
-            if worker.process.is_alive():
+            try:
+                worker.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 worker.kill()
         self.workers = []
 
