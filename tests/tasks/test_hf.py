@@ -57,3 +57,12 @@ def test_bad_columns_and_patterns_are_refused_naming_the_key(gsm8k_jsonl, overri
 def test_a_missing_file_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"task.path='.*missing.jsonl'.*could not be loaded"):
         HFDataset(path=str(tmp_path / "missing.jsonl"))
+
+
+def test_nested_answer_columns_and_chat_prompts_as_dapo_math_stores_them(tmp_path):
+    rows = [{"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"Compute {i} squared."}],
+             "reward_model": {"ground_truth": str(i * i), "style": "rule"}} for i in range(40)]
+    task = HFDataset(path=str(write_jsonl(tmp_path / "dapo.jsonl", rows)), answer_column="reward_model.ground_truth")
+    example = next(e for e in task.records if e.prompt[0]["content"] == "Compute 7 squared.")
+    assert example.answer == "49" and example.meta["data_source"] == "math_dapo"
+    assert task.reward(example, r"so $\boxed{49}$") == 1.0

@@ -26,6 +26,20 @@ MATCHES = ("math_verify", "numeric", "exact")
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
+def column(row: dict, name: str):
+    """A row's column; a dotted name reaches into nested columns (DAPO-Math-17k's `reward_model.ground_truth`).
+
+    >>> column({"reward_model": {"ground_truth": "34", "style": "rule"}}, "reward_model.ground_truth")
+    '34'
+    """
+    value = row
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(name)
+        value = value[part]
+    return value
+
+
 def load_split(path: str, name: str | None, data_files: Any, split: str, revision: str | None) -> list[dict]:
     """The rows of one split. A local file is read with the builder its suffix names (no hub needed); anything
     else goes to `datasets.load_dataset` as given (a hub id, a local dataset folder, a builder with data_files)."""
@@ -54,6 +68,7 @@ class HFDataset(JsonlTask):
         eval_split: the held-out split's name (e.g. "test"); null holds out a hash share of `split`.
         prompt_column: the prompt, text or a list of {role, content} messages.
         answer_column: the reference answer; `answer_pattern` (a regex) keeps its first group, e.g. "#### (.+)".
+            Dotted names reach into nested columns (`reward_model.ground_truth`).
         solution_column: what the cold start imitates (`sft.enabled=true`), e.g. GSM8K's worked `answer`;
             null imitates the reference answer.
         match: the task's checker: math_verify, numeric or exact.
@@ -91,16 +106,16 @@ class HFDataset(JsonlTask):
     def _examples(self, rows: list[dict], where: str) -> list[Example]:
         if not rows:
             raise ValueError(f"{where}: no rows")
-        for key, column in (("task.prompt_column", self.prompt_column), ("task.answer_column", self.answer_column)):
-            if column not in rows[0]:
-                raise ValueError(f"{key}={column!r} is not a column of {where}; its columns are {sorted(rows[0])}")
-        if self.solution_column is not None and self.solution_column not in rows[0]:
-            raise ValueError(f"task.solution_column={self.solution_column!r} is not a column of {where}; its columns "
-                             f"are {sorted(rows[0])}")
+        for key, name in (("task.prompt_column", self.prompt_column), ("task.answer_column", self.answer_column),
+                          ("task.solution_column", self.solution_column)):
+            try:
+                name is None or column(rows[0], name)
+            except KeyError:
+                raise ValueError(f"{key}={name!r} is not a column of {where}; its columns are {sorted(rows[0])}") from None
         return [self._example(row, f"{where}, row {i}") for i, row in enumerate(rows)]
 
     def _example(self, row: dict, where: str) -> Example:
-        prompt, reference = row[self.prompt_column], str(row[self.answer_column])
+        prompt, reference = column(row, self.prompt_column), str(column(row, self.answer_column))
         if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt):
             raise ValueError(f"{where}: column {self.prompt_column!r} must be non-empty text or a list of messages, "
                              f"got {prompt!r}")
@@ -112,7 +127,7 @@ class HFDataset(JsonlTask):
             reference = found.group(1) if found.groups() else found.group(0)
         # every other column reaches the rewards; `answer` is the reference's name there
         meta = {key: value for key, value in row.items() if key not in (self.prompt_column, "answer")}
-        solution = None if self.solution_column is None else str(row[self.solution_column])
+        solution = None if self.solution_column is None else str(column(row, self.solution_column))
         return Example(prompt=prompt, answer=reference.strip(), meta=meta, solution=solution)
 
     def split_of(self, prompt) -> str:
