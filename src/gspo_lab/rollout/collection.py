@@ -12,10 +12,10 @@ from contextlib import nullcontext
 import torch
 
 from gspo_lab.objectives import frac_zero_std
+from gspo_lab.rewards import Scores
 from gspo_lab.rollout.batch import RolloutBatch
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
 from gspo_lab.rollout.engine import mismatch_metrics
-from gspo_lab.rewards import Scores
 from gspo_lab.rollout.generation import Completions, generate
 from gspo_lab.tasks.base import Example
 
@@ -144,7 +144,9 @@ class RolloutCollection:
         conversational = bool(examples) and isinstance(examples[0].prompt, list)
         texts = completions.texts
         replies = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
-        ids = [row[mask.bool()].tolist() for row, mask in zip(completions.completion_ids, completions.completion_mask)]
+        # one copy to the host for the whole round (a GPU sync per row otherwise)
+        lengths = completions.completion_mask.sum(-1).tolist()
+        ids = [row[:n] for row, n in zip(completions.completion_ids.tolist(), lengths)]  # right-padded rows
         columns = {"answer": [e.answer for e in examples]}
         for key in examples[0].meta if examples else ():
             columns[key] = [e.meta.get(key) for e in examples]
