@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -61,17 +62,22 @@ def save_tokenizer(folder: Path, texts: list[str], vocab_size: int = 400) -> Pre
     return tokenizer
 
 
-def save_chat_model(folder: Path, seed: int = 0, hidden: int = 32, layers: int = 2) -> Path:
-    """The tokenizer (trained on word problems) and a random tiny Qwen3 in `folder`; returns it."""
+def save_chat_model(folder: Path, seed: int = 0, hidden: int = 32, layers: int = 2, moe: bool = False) -> Path:
+    """The tokenizer (trained on word problems) and a random tiny Qwen3 (a Qwen3-MoE of 4 experts top-2 with
+    `moe`, the shape of Qwen3-30B-A3B in miniature) in `folder`; returns it."""
     texts = [f"{r['question']} {r['answer']}" for r in word_problems(2000, seed=10_000)]
     tokenizer = save_tokenizer(folder, texts + ["system user assistant think Reason step by step."] * 20)
     im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=len(tokenizer) + EXTRA_ROWS, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                         max_position_embeddings=512, eos_token_id=im_end, pad_token_id=endoftext,
-                         tie_word_embeddings=True)
-    model = Qwen3ForCausalLM(config)
+    shape = dict(vocab_size=len(tokenizer) + EXTRA_ROWS, hidden_size=hidden, intermediate_size=2 * hidden,
+                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                 max_position_embeddings=512, eos_token_id=im_end, pad_token_id=endoftext,
+                 tie_word_embeddings=not moe)  # Qwen3-30B-A3B unties them (and FSDP here shards them apart)
+    if moe:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=hidden, norm_topk_prob=True))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**shape))
     model.generation_config.eos_token_id = [im_end, endoftext]
     model.save_pretrained(folder)
     return folder

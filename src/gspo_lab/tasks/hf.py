@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from gspo_lab.tasks.base import Example, Task
 from gspo_lab.tasks.jsonl import JsonlTask
 
@@ -45,6 +47,8 @@ def load_split(path: str, name: str | None, data_files: Any, split: str, revisio
     else goes to `datasets.load_dataset` as given (a hub id, a local dataset folder, a builder with data_files)."""
     from datasets import load_dataset  # imported here: tasks that do not load data need not pay for it
 
+    if isinstance(data_files, (DictConfig, ListConfig)):  # from Hydra: datasets takes plain dicts and lists
+        data_files = OmegaConf.to_container(data_files)
     builder, files = path, data_files
     local = Path(path).expanduser()
     if local.is_file():
