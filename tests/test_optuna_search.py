@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
 from gspo_lab import CONFIG_DIR
-from gspo_lab.sweeper import ResumableOptunaSweeperImpl
+from gspo_lab.sweeper import ResumableOptunaSweeperImpl, fail_trials_without_heartbeat
 from tests.test_sweeps import TINY, finished_runs, gspo_train
 
 COMPLETE, RUNNING, FAIL = TrialState.COMPLETE, TrialState.RUNNING, TrialState.FAIL
@@ -206,3 +206,19 @@ def test_a_killed_gspo_train_search_resumes_from_its_sqlite_file(tmp_path):
     study = optuna.load_study(study_name="killed", storage=f"sqlite:///{db}")
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert results["best_value"] == study.best_value and results["best_params"] == study.best_params
+
+
+def test_a_trial_killed_before_its_first_heartbeat_is_failed_once_the_grace_period_is_over(tmp_path):
+    """Optuna's fail_stale_trials skips trials without a heartbeat: a search killed between asking for a trial and
+    recording its first heartbeat left it RUNNING for ever (CI caught it on a loaded machine)."""
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'search.db'}", heartbeat_interval=1, grace_period=1)
+    study = optuna.create_study(study_name="s", storage=storage)
+    orphan = study.ask()  # its process died before any heartbeat
+    beating = study.ask()
+    storage.record_heartbeat(beating._trial_id)
+    time.sleep(2.5)
+    fresh = study.ask()  # asked just now: within the grace period, its heartbeat may be on its way
+    assert fail_trials_without_heartbeat(study) == [orphan._trial_id]
+    states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
+    assert states == {orphan.number: TrialState.FAIL, beating.number: TrialState.RUNNING,
+                      fresh.number: TrialState.RUNNING}  # a stale heartbeat is fail_stale_trials' to judge

@@ -8,7 +8,8 @@ search stored in a database is resumed by running its command again:
 
 - A process that died leaves its trials RUNNING in the storage. With an RDB storage the sweeper records a
   heartbeat for its running trials, and before each batch fails the trials whose heartbeat is older than the
-  grace period (Optuna's `fail_stale_trials`; a URL gets HEARTBEAT_INTERVAL_S and twice that). Only COMPLETE
+  grace period (Optuna's `fail_stale_trials`; a URL gets HEARTBEAT_INTERVAL_S and twice that), and those that
+  started longer ago than that and never recorded one (`fail_trials_without_heartbeat`). Only COMPLETE
   trials count, so a failed trial is run again, within a budget of n_trials trials per launch.
 - Run dirs are numbered by trial number, so a resumed search can write into the sweep dir it started.
 - A study that already holds trials (a resume, or a second process joining) reseeds the sampler, which would
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from datetime import datetime
 from typing import Any
 
 import optuna
@@ -47,6 +49,30 @@ def study_storage(storage: Any) -> optuna.storages.BaseStorage | str:
     if not isinstance(storage, str) or storage.startswith("redis"):
         return storage
     return optuna.storages.RDBStorage(storage, heartbeat_interval=HEARTBEAT_INTERVAL_S)
+
+
+def fail_trials_without_heartbeat(study: optuna.Study) -> list[int]:
+    """Fail the RUNNING trials that never recorded a heartbeat and started more than the grace period ago; returns
+    their ids. Optuna's fail_stale_trials skips trials without a heartbeat, so a process killed between asking for
+    a trial and its first heartbeat (a few milliseconds, longer on a loaded machine) left that trial RUNNING for
+    ever. Uses optuna 2.10's RDB storage internals (the plugin pins optuna<3)."""
+    cached = study._storage  # optuna 2.10's Study has no public storage; an RDB one comes wrapped in a cache
+    storage = getattr(cached, "_backend", cached)
+    if not isinstance(storage, optuna.storages.RDBStorage) or not storage.is_heartbeat_enabled():
+        return []
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb.storage import _create_scoped_session
+
+    grace = storage.grace_period or 2 * storage.heartbeat_interval
+    now, failed = datetime.now(), []  # datetime_start is this clock's (optuna's datetime.now())
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if trial.datetime_start is None or (now - trial.datetime_start).total_seconds() <= grace:
+            continue
+        with _create_scoped_session(storage.scoped_session) as session:
+            beaten = models.TrialHeartbeatModel.where_trial_id(trial._trial_id, session) is not None
+        if not beaten and cached.set_trial_state(trial._trial_id, TrialState.FAIL):
+            failed.append(trial._trial_id)
+    return failed
 
 
 class Heartbeats:
@@ -104,6 +130,7 @@ class ResumableOptunaSweeperImpl(OptunaSweeperImpl):
                 with warnings.catch_warnings():  # marked experimental in optuna 2.10
                     warnings.simplefilter("ignore", ExperimentalWarning)
                     optuna.storages.fail_stale_trials(study)
+                fail_trials_without_heartbeat(study)
                 completed = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
                 self.n_trials = max(0, min(self.n_jobs, launch_budget, total - completed))
                 super().sweep(arguments)  # runs self.n_trials trials, then writes optimization_results.yaml
