@@ -42,10 +42,12 @@ def word_problems(n: int, seed: int = 0, largest: int = 19) -> list[dict]:
         who, what = rng.choice(NAMES), rng.choice(THINGS)
         a, b = rng.randint(1, largest), rng.randint(1, largest)
         if rng.random() < 0.5 or a == b:
-            question, work, result = f"{who} has {a} {what} and gets {b} more. How many {what} now?", f"{a} + {b}", a + b
+            question = f"{who} has {a} {what} and gets {b} more. How many {what} now?"
+            work, result = f"{a} + {b}", a + b
         else:
             a, b = max(a, b), min(a, b)
-            question, work, result = f"{who} has {a} {what} and gives away {b}. How many {what} are left?", f"{a} - {b}", a - b
+            question = f"{who} has {a} {what} and gives away {b}. How many {what} are left?"
+            work, result = f"{a} - {b}", a - b
         rows.append({"question": question, "answer": f"{work} = {result}\n#### {result}", "level": int(a > 9)})
     return rows
 

@@ -74,7 +74,8 @@ def test_prompts_over_the_token_budget_are_dropped_and_counted(byo, compose, tmp
     _, whole, _ = build(compose(byo + data + [f"paths.output_dir={tmp_path / 'whole'}"]))
     budget = min(lengths(whole))
     assert max(lengths(whole)) > budget
-    _, cut, _ = build(compose(byo + data + [f"paths.output_dir={tmp_path / 'cut'}", f"task.max_prompt_tokens={budget}"]))
+    budgeted = [f"paths.output_dir={tmp_path / 'cut'}", f"task.max_prompt_tokens={budget}"]
+    _, cut, _ = build(compose(byo + data + budgeted))
     assert max(lengths(cut)) <= budget and cut.task.dropped_long == sum(n > budget for n in lengths(whole)) > 0
 
 

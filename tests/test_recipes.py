@@ -21,12 +21,14 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_
 
 
 def data_files(folder: Path, rows: list[dict], held_out: list[dict]) -> str:
-    files = {"train": str(write_jsonl(folder / "train.jsonl", rows)), "test": str(write_jsonl(folder / "test.jsonl", held_out))}
+    files = {"train": str(write_jsonl(folder / "train.jsonl", rows)),
+             "test": str(write_jsonl(folder / "test.jsonl", held_out))}
     return "task.data_files=" + json.dumps(files).replace('"', "")
 
 
 def math_rows(n: int, seed: int) -> list[dict]:
-    return [{"problem": r["question"], "solution": r["answer"].replace("\n#### ", ", so the answer is $\\boxed{") + "}$"}
+    boxed = ", so the answer is $\\boxed{"
+    return [{"problem": r["question"], "solution": r["answer"].replace("\n#### ", boxed) + "}$"}
             for r in word_problems(n, seed)]
 
 
@@ -48,7 +50,8 @@ def stand_ins(tmp_path_factory) -> dict[str, list[str]]:
         "recipe_fp16_sanity": [f"model.path={dense}", "trainer=cpu", "task.path=json",
                                data_files(root / "math", math_rows(40, 0), math_rows(10, 1))],
         "recipe_math_moe": [f"model.path={moe}", "trainer.accelerator=cpu", "trainer.devices=2",
-                            "trainer.precision=32-true", f"task.path={write_jsonl(root / 'dapo.jsonl', dapo_rows(60, 0))}"],
+                            "trainer.precision=32-true",
+                            f"task.path={write_jsonl(root / 'dapo.jsonl', dapo_rows(60, 0))}"],
     }
 
 

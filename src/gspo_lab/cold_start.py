@@ -54,7 +54,8 @@ def cache_key(model_cfg: dict, task_cfg: dict, sft: SFTConfig, seed: int) -> str
 
 
 def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_dir: str | Path, accelerator="cpu",
-               check: Callable[[Any, Any], None] | None = None, precision="32-true", prompt: PromptFormat | None = None):
+               check: Callable[[Any, Any], None] | None = None, precision="32-true",
+               prompt: PromptFormat | None = None):
     """The SFT'd model and tokenizer, trained now (on one device of `accelerator`, at the trainer's `precision`)
     or loaded from the cache; plus the stage's info dict. `check(model, tokenizer)` runs once: on the freshly
     built model before any training, or on a cache hit. Demonstrations are formatted by `prompt` (default: the

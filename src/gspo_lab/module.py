@@ -3,8 +3,9 @@
 One RL step is one `training_step`:
 1. this rank's share of the step's prompts, `group_size` completions each (transformers `generate`) from the
    rollout engine (the trainer's model itself by default; `rollout.engine.*` makes it differ);
-2. rewards from the reward functions (the task's checker by default; gspo_lab.rewards) (with `rollout.filter_zero_std_groups`, further rounds of prompts replace groups whose
-   rewards are all equal: gspo_lab.rollout.dynamic_sampling), group-relative advantages; the trainer's own
+2. rewards from the reward functions (gspo_lab.rewards; the task's checker by default), with
+   `rollout.filter_zero_std_groups` further rounds of prompts replacing groups whose rewards are all equal
+   (gspo_lab.rollout.dynamic_sampling); group-relative advantages; the trainer's own
    log-probs and experts on the diagnostic rows against the engine's (mismatch/*, routing/rollout_disagreement*);
 3. old-policy log-probs from the engine's own logits (default), or from a no-grad trainer forward; with
    `objective.beta > 0`, the frozen reference policy's log-probs from one more no-grad forward;
@@ -315,8 +316,9 @@ class RLModule(RolloutCollection, L.LightningModule):
         shard = self.eval_set[self.global_rank :: self.trainer.world_size]
         correct = 0.0
         if shard:
-            correct = len(shard) * accuracy(self.model, self.tokenizer, self.task, shard, self.rollout_cfg.max_new_tokens,
-                                            render=self.render, stop_token_ids=self.rollout_cfg.stop_token_ids)
+            correct = len(shard) * accuracy(self.model, self.tokenizer, self.task, shard,
+                                            self.rollout_cfg.max_new_tokens, render=self.render,
+                                            stop_token_ids=self.rollout_cfg.stop_token_ids)
         total = self.trainer.strategy.reduce(torch.tensor(correct, device=self.device), reduce_op="sum")
         return float(total) / len(self.eval_set)
 

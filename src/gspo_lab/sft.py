@@ -112,7 +112,8 @@ class Demonstrations(IterableDataset):
 class SFTModule(L.LightningModule):
     """Next-token cross-entropy on demonstrations, with held-out greedy accuracy and early stopping."""
 
-    def __init__(self, model, tokenizer, task: Task, config: SFTConfig, seed: int, render: Renderer | None = None) -> None:
+    def __init__(self, model, tokenizer, task: Task, config: SFTConfig, seed: int,
+                 render: Renderer | None = None) -> None:
         super().__init__()
         self.model, self.tokenizer, self.task, self.config, self.seed = model, tokenizer, task, config, seed
         self.render = render

@@ -162,7 +162,8 @@ class WeightedRewards:
         if outcome.failure is None:
             return self._checked(f, outcome.value, where(i))
         counts = self.errors if outcome.failure == "error" else self.timeouts
-        message = (f"reward function {f.name} {'raised ' + outcome.detail if outcome.failure == 'error' else 'timed out'} "
+        what = f"raised {outcome.detail}" if outcome.failure == "error" else "timed out"
+        message = (f"reward function {f.name} {what} "
                    f"({where(i)}); prompt {prompts[i]!r}, completion {completions[i]!r}")
         if self.on_error == "raise":
             raise RuntimeError(f"{message} (train.on_reward_error=raise)")

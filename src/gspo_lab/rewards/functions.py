@@ -77,7 +77,8 @@ def boxed_match(prompts, completions, answer, **kwargs) -> list[float]:
     rewards = []
     for completion, reference in zip(completions, answer):
         boxed = last_boxed(text_of(completion))
-        rewards.append(float(boxed is not None and boxed.strip() == (last_boxed(str(reference)) or str(reference)).strip()))
+        want = last_boxed(str(reference)) or str(reference)  # a boxed reference, or the bare one
+        rewards.append(float(boxed is not None and boxed.strip() == want.strip()))
     return rewards
 
 

@@ -3,8 +3,8 @@ never returns.
 
 math-verify's own timeout is `signal.alarm` (main thread only), and it cannot interrupt sympy stuck in C code
 (Math-Verify issue #65); a thread cannot be stopped at all. So each call runs in one of `num_workers` worker
-processes (fresh Python interpreters on a socket); a call still running `timeout_s` after it started is a timeout, and its worker is killed and replaced
-(as verl grades in a spawn ProcessPoolExecutor with `result(timeout=...)`, but per call: a pool's future cannot
+processes (fresh Python interpreters on a socket); a call still running `timeout_s` after it started is a
+timeout, and its worker is killed and replaced (as verl grades in a spawn ProcessPoolExecutor with `result(timeout=...)`, but per call: a pool's future cannot
 be cancelled once it runs). A worker that dies (a segfault in C code) makes its call an error.
 
 Functions and their arguments cross to the workers by pickle: a function must be importable by its module
@@ -106,8 +106,8 @@ class GradingPool:
                         worker.job = None
                         continue
                     except (EOFError, OSError):  # the worker died mid-call
-                        outcomes[worker.job] = Outcome(failure="error",
-                                                       detail=f"the worker process died (exit code {worker.process.poll()})")
+                        died = f"the worker process died (exit code {worker.process.poll()})"
+                        outcomes[worker.job] = Outcome(failure="error", detail=died)
                 elif time.monotonic() - worker.started >= self.timeout_s:
                     outcomes[worker.job] = Outcome(failure="timeout", detail=f"still running after {self.timeout_s} s")
                 else:

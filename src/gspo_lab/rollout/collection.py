@@ -83,7 +83,8 @@ class RolloutCollection:
         completions = self.sample([text for text in texts for _ in range(cfg.group_size)], metrics)
         scores = self.score(step, grouped, completions)
         # reward/<name>/* of the step's own prompts (round 0, as reward/*); the running error counts of every round
-        metrics.update({k: v for k, v in scores.metrics.items() if sampling_round == 0 or k.endswith(("errors", "timeouts"))})
+        metrics.update({k: v for k, v in scores.metrics.items()
+                        if sampling_round == 0 or k.endswith(("errors", "timeouts"))})
         rewards, applies = scores.total, scores.applies
         if self.train_cfg.shuffle_rewards:  # negative control: rewards no longer belong to their completions
             order = torch.randperm(len(rewards))

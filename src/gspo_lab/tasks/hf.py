@@ -115,7 +115,8 @@ class HFDataset(JsonlTask):
             try:
                 name is None or column(rows[0], name)
             except KeyError:
-                raise ValueError(f"{key}={name!r} is not a column of {where}; its columns are {sorted(rows[0])}") from None
+                raise ValueError(f"{key}={name!r} is not a column of {where}; its columns are "
+                                 f"{sorted(rows[0])}") from None
         return [self._example(row, f"{where}, row {i}") for i, row in enumerate(rows)]
 
     def _example(self, row: dict, where: str) -> Example:
