@@ -35,7 +35,6 @@ from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
 from gspo_lab.evaluation import accuracy
 from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective
-from gspo_lab.objectives.base import masked_mean
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards
 from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, token_logprobs
@@ -46,6 +45,7 @@ from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
 from gspo_lab.sharding import is_sharded, shard
 from gspo_lab.tasks.base import Task
+from gspo_lab.tensors import masked_mean
 
 log = logging.getLogger(__name__)
 

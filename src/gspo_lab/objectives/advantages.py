@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gspo_lab.tensors import as_groups, frac_zero_std, zero_std_groups  # noqa: F401 - re-exported
+
 SCALES = ("group", "batch", "none")
 
 
@@ -38,38 +40,10 @@ class GroupAdvantage:
             raise ValueError(f"advantage.eps={self.eps!r} must be >= 0")
 
     def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
-        groups = _as_groups(rewards, group_size)  # [G, group_size]
+        groups = as_groups(rewards, group_size)  # [G, group_size]
         centred = groups - groups.mean(-1, keepdim=True)
         if self.scale == "group":
             centred = centred / (groups.std(-1, unbiased=False, keepdim=True) + self.eps)
         elif self.scale == "batch":
             centred = centred / (rewards.std(unbiased=False) + self.eps)
         return centred.reshape(rewards.shape)
-
-
-def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
-    """[N / group_size] bool: the groups whose rewards are all equal (their advantages are all zero).
-
-    >>> zero_std_groups(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.5]), group_size=2)
-    tensor([False,  True,  True])
-    """
-    groups = _as_groups(rewards, group_size)
-    return groups.amax(-1) == groups.amin(-1)
-
-
-def frac_zero_std(rewards: Tensor, group_size: int) -> Tensor:
-    """Fraction of groups whose rewards are all equal (their advantages are all zero).
-
-    >>> frac_zero_std(torch.tensor([1.0, 0.0, 1.0, 1.0]), group_size=2)
-    tensor(0.5000)
-    """
-    return zero_std_groups(rewards, group_size).float().mean()
-
-
-def _as_groups(rewards: Tensor, group_size: int) -> Tensor:
-    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of group_size={group_size}; "
-            "expected a 1-D tensor whose length is a multiple of group_size"
-        )
-    return rewards.reshape(-1, group_size)

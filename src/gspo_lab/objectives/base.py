@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from gspo_lab.objectives.rollout_correction import CORRECTIONS, correction_weights
+from gspo_lab.tensors import k3, masked_mean  # noqa: F401 - re-exported: objectives import them from here
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -71,19 +72,6 @@ class SurrogateAxis(Protocol):
 class AggregationAxis(Protocol):
     def __call__(self, per_token: Tensor, batch: MaskedBatch) -> Tensor:
         """Per-token terms [B, T] -> the scalar loss; padding and empty rows never count."""
-
-
-def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of `values` where `mask` is 1; an all-zero mask gives 0 instead of NaN."""
-    total = (values * mask).sum() if dim is None else (values * mask).sum(dim)
-    count = mask.sum() if dim is None else mask.sum(dim)
-    return total / count.clamp(min=1)
-
-
-def k3(logp: Tensor, other_logp: Tensor) -> Tensor:
-    """Per-token k3 estimator of KL(π_other || π) on samples from π_other: r - 1 - log r, r = π / π_other."""
-    log_r = logp - other_logp
-    return torch.exp(log_r) - 1 - log_r
 
 
 def clip_fractions(low: Tensor, high: Tensor, batch: MaskedBatch) -> dict[str, Tensor]:

@@ -11,13 +11,13 @@ from contextlib import nullcontext
 
 import torch
 
-from gspo_lab.objectives import frac_zero_std
 from gspo_lab.rewards import Scores
 from gspo_lab.rollout.batch import RolloutBatch
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
 from gspo_lab.rollout.engine import mismatch_metrics
 from gspo_lab.rollout.generation import Completions, generate
 from gspo_lab.tasks.base import Example
+from gspo_lab.tensors import frac_zero_std
 
 log = logging.getLogger(__name__)
 

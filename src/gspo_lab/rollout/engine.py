@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from gspo_lab.config import PRECISIONS, EngineConfig
-from gspo_lab.objectives.base import k3, masked_mean
 from gspo_lab.routing.adapters import ADAPTERS, expert_input_dim
 from gspo_lab.routing.hooks import router_hooks
+from gspo_lab.tensors import k3, masked_mean
 
 
 def fake_quantise(weight: Tensor, bits: int, input_dim: int = -1) -> Tensor:
