@@ -4,7 +4,6 @@ with an x at their last point) and the performance profile of final held-out acc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -14,11 +13,9 @@ import numpy as np  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from gspo_lab.report.run import series  # noqa: E402
+from gspo_lab.report.runs import Study  # noqa: E402
 from gspo_lab.report.stats import band, performance_profile  # noqa: E402
 from gspo_lab.report.tables import scores  # noqa: E402
-
-if TYPE_CHECKING:
-    from gspo_lab.report.study import Study
 
 CURVES = {  # file -> (metric, y label, log scale, smoothing window)
     "reward_curves.png": ("reward/mean", "reward/mean (sampled)", False, 10),

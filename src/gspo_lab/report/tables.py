@@ -6,16 +6,13 @@ show."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
+from gspo_lab.report.runs import Study
 from gspo_lab.report.stats import (Interval, improvement_interval, iqm_interval, mean_interval,
                                    paired_improvement_interval)
-
-if TYPE_CHECKING:
-    from gspo_lab.report.study import Study
 
 HEADLINE = ("held-out accuracy", "accuracy gain", "final reward", "clip/frac")  # the settings table's columns
 PER_STEP = ("routing/changed_frac", "routing/changed_tokens_frac", "routing/override_frac",

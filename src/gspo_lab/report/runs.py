@@ -1,0 +1,144 @@
+"""Reading run dirs: a run (its overrides, seed, summary, metrics and collapse tests) and a study (the runs
+under some folders, grouped into settings). Tables, figures and the report build on this; it depends only on
+report.run (metrics files) and report.stats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import yaml
+
+from gspo_lab.report.run import read_metrics, series
+from gspo_lab.report.stats import accuracy_noise
+
+NUMBER = re.compile(r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)")
+REWARD_WINDOW, REWARD_FLOOR = 10, 0.5  # reward collapse: the last 10 steps' mean reward below half the first 10's
+SUMMARY_KEYS = {  # metric -> its summary.json key; other metrics are the mean over steps of metrics.csv's column
+    "held-out accuracy": "eval/accuracy_after",
+    "final reward": "reward/mean_last",
+    "clip/frac": "clip/frac_mean",
+}
+
+
+@dataclass
+class Run:
+    path: Path
+    overrides: frozenset[str]  # the run's Hydra overrides without seed, experiment, hparams_search and hydra.*
+    seed: int | None
+    summary: dict | None
+    failed: bool
+    eval_size: int | None = None  # held-out prompts per evaluation (task.eval_size in its config), if recorded
+    setting: str = ""  # the overrides in which runs differ, set by `discover`
+
+    @cached_property
+    def rows(self) -> list[dict[str, float]]:
+        return read_metrics(self.path)
+
+    def value(self, metric: str) -> float:
+        """The run's figure for `metric` (NaN where it was not logged); "accuracy gain" is after - before, "seq ratio
+        spread" the mean over steps of ratio/seq/max - ratio/seq/min (the sequence ratios every objective logs)."""
+        if metric == "accuracy gain":
+            return self.summary["eval/accuracy_after"] - self.summary["eval/accuracy_before"]
+        if metric == "seq ratio spread":
+            spreads = [r["ratio/seq/max"] - r["ratio/seq/min"] for r in self.rows
+                       if not math.isnan(r.get("ratio/seq/max", math.nan))]
+            return sum(spreads) / len(spreads) if spreads else math.nan
+        key = SUMMARY_KEYS.get(metric, metric)
+        if key in self.summary:
+            return self.summary[key]
+        _, values = series(self.rows, key)
+        return sum(values) / len(values) if values else math.nan
+
+    def collapsed(self, drop: float) -> bool | None:
+        """The final held-out accuracy is below the run's own best by more than both `drop` and the binomial
+        noise of the difference, or below its first evaluation (the cold start) by more than that noise; the
+        noise is stats.accuracy_noise on the run's eval_size prompts, or `drop` where no eval_size was
+        recorded. None for a run never evaluated."""
+        _, accuracy = series(self.rows, "eval/accuracy")
+        if not accuracy:
+            return None
+        start, best, final = accuracy[0], max(accuracy), accuracy[-1]
+
+        def noise(reference: float) -> float:
+            return accuracy_noise(reference, final, self.eval_size) if self.eval_size else drop
+
+        return best - final > max(drop, noise(best)) or start - final > noise(start)
+
+    def reward_collapsed(self) -> bool | None:
+        """The mean sampled reward of the last REWARD_WINDOW steps is below REWARD_FLOOR times that of the
+        first REWARD_WINDOW (each window at most half the run's steps); None for a run that logged no reward."""
+        _, reward = series(self.rows, "reward/mean")
+        window = min(REWARD_WINDOW, len(reward) // 2)
+        if window == 0:
+            return None
+        return sum(reward[-window:]) / window < REWARD_FLOOR * sum(reward[:window]) / window
+
+
+@dataclass
+class Study:
+    runs: list[Run] = field(default_factory=list)
+    shared: list[str] = field(default_factory=list)  # overrides every run has
+
+    @property
+    def complete(self) -> list[Run]:
+        return [r for r in self.runs if r.summary is not None]
+
+    def settings(self) -> list[str]:
+        """Sorted with numbers compared as numbers (group_size=2 before group_size=16)."""
+        return sorted({r.setting for r in self.complete}, key=natural_key)
+
+    def of(self, setting: str) -> list[Run]:
+        return sorted((r for r in self.complete if r.setting == setting), key=lambda r: (r.seed is None, r.seed))
+
+
+class UnknownBaseline(ValueError):
+    """--baseline names no setting of the study; the message lists the settings it could name."""
+
+
+def natural_key(text: str) -> list:
+    return [(0, float(part), "") if NUMBER.fullmatch(part) else (1, 0.0, part) for part in NUMBER.split(text)]
+
+
+def load_run(path: Path) -> Run:
+    overrides_file = path / ".hydra" / "overrides.yaml"
+    overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else []
+    seed, kept = None, set()
+    for item in overrides or []:
+        key, _, value = item.partition("=")
+        if key.lstrip("+~") == "seed":
+            seed = int(value)
+        elif not key.startswith("hydra") and key not in ("experiment", "hparams_search"):
+            kept.add(item)
+    config_file = next((f for f in (path / "config.yaml", path / ".hydra" / "config.yaml") if f.is_file()), None)
+    config = (yaml.safe_load(config_file.read_text()) or {}) if config_file else {}
+    if seed is None:
+        seed = config.get("seed")
+    eval_size = (config.get("task") or {}).get("eval_size")  # jsonl tasks evaluate on fewer if the pool is smaller
+    info_file = path / "run_info.json"  # absent when a job failed before its run started
+    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    if not kept and info.get("algorithm"):
+        kept.add(f"algorithm={info['algorithm']}")
+    summary_file = path / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
+    return Run(path, frozenset(kept), seed, summary, (path / "failed.txt").is_file(),
+               eval_size if isinstance(eval_size, int) else None)
+
+
+def discover(dirs: list[Path]) -> Study:
+    """Every run under `dirs`; a run's setting is the overrides not shared by all runs (seed aside)."""
+    runs = []
+    for directory in dirs:
+        if not directory.is_dir():
+            raise SystemExit(f"gspo-report: {directory} is not a directory")
+        found = {p.parent for name in ("run_info.json", "failed.txt") for p in directory.rglob(name)}
+        runs.extend(load_run(path) for path in sorted(found))
+    shared = frozenset.intersection(*(r.overrides for r in runs)) if runs else frozenset()
+    for run in runs:
+        run.setting = " ".join(sorted(run.overrides - shared)) or "all runs alike"
+    return Study(runs, sorted(shared))
