@@ -119,12 +119,10 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
     model_source = instantiate(cfg.model)
     prompt = instantiate(cfg.prompt) if "prompt" in cfg else PromptFormat()
     sft = SFTConfig(**OmegaConf.to_container(cfg.sft, resolve=True))
-    fitted: set[int] = set()
 
     def fit_prompts(tokenizer) -> None:  # task.max_prompt_tokens (task=hf), once the tokenizer exists
-        if getattr(task, "max_prompt_tokens", None) and id(tokenizer) not in fitted:
+        if getattr(task, "max_prompt_tokens", None):
             task.drop_long_prompts(prompt.bind(tokenizer), tokenizer, task.max_prompt_tokens)
-            fitted.add(id(tokenizer))
 
     budgets = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
     if not sft.runs_on(model_source):

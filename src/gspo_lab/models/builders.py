@@ -269,8 +269,9 @@ CONTEXT_SAMPLE = 200  # prompts drawn (either split) whose lengths `check_contex
 def check_context(model: PreTrainedModel, tokenizer, task, max_new_tokens: dict[str, int], render=None) -> None:
     """Refuse a run whose sequences would not fit the model's positions: the longest prompt (of the held-out
     set and a sample of the whole prompt space) plus each generation budget in `max_new_tokens` (config key ->
-    tokens) must fit `max_position_embeddings`; prompts as `render` (gspo_lab.prompts.Renderer) formats them. Beyond it a rotary model still runs, on positions it never
-    learned, so nothing else would say so; reasoning-gym's long instructions under the char tokenizer do it.
+    tokens) must fit `max_position_embeddings`, prompts as `render` (gspo_lab.prompts.Renderer) formats them.
+    Beyond it a rotary model still runs, on positions it never learned, so nothing else would say so;
+    reasoning-gym's long instructions under the char tokenizer do it.
     """
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is None:

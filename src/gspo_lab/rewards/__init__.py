@@ -81,4 +81,4 @@ def _function(item: dict, task, where: str) -> RewardFunction:
     else:
         raise ValueError(f"{where}._target_={target!r} is not callable")
     check_signature(fn, where)
-    return RewardFunction(fn, weight, name or reward_name(fn))
+    return RewardFunction(fn, weight, name)  # an empty name becomes TRL's (reward_name)

@@ -4,8 +4,8 @@ never returns.
 math-verify's own timeout is `signal.alarm` (main thread only), and it cannot interrupt sympy stuck in C code
 (Math-Verify issue #65); a thread cannot be stopped at all. So each call runs in one of `num_workers` worker
 processes (fresh Python interpreters on a socket); a call still running `timeout_s` after it started is a
-timeout, and its worker is killed and replaced (as verl grades in a spawn ProcessPoolExecutor with `result(timeout=...)`, but per call: a pool's future cannot
-be cancelled once it runs). A worker that dies (a segfault in C code) makes its call an error.
+timeout, and its worker is killed and replaced (as verl grades in a spawn ProcessPoolExecutor with
+`result(timeout=...)`, but per call: a pool's future cannot be cancelled once it runs). A worker that dies (a segfault in C code) makes its call an error.
 
 Functions and their arguments cross to the workers by pickle: a function must be importable by its module
 path (a function defined in a script run as `__main__` is not; put it in a module).

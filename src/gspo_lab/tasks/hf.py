@@ -91,7 +91,9 @@ class HFDataset(JsonlTask):
             raise ValueError(f"task.match={match!r} must be one of {list(MATCHES)}")
         if path is None and rows is None:
             raise ValueError("task.path is not set: task=hf needs task.path=<hub id, dataset folder or data file>")
-        self.match, self.tolerance = match, 1e-6
+        if max_prompt_tokens is not None and not (isinstance(max_prompt_tokens, int) and max_prompt_tokens >= 1):
+            raise ValueError(f"task.max_prompt_tokens={max_prompt_tokens!r} must be null or an integer >= 1")
+        self.match, self.max_prompt_tokens, self.dropped_long = match, max_prompt_tokens, 0
         self.prompt_column, self.answer_column, self.solution_column = prompt_column, answer_column, solution_column
         self.pattern = re.compile(answer_pattern) if answer_pattern else None
         source = path or "the rows given"
@@ -103,9 +105,6 @@ class HFDataset(JsonlTask):
             self.eval_records = self._examples(eval_rows, f"{source} split {eval_split!r}")
         else:
             self._check_split(source)
-        if max_prompt_tokens is not None and not (isinstance(max_prompt_tokens, int) and max_prompt_tokens >= 1):
-            raise ValueError(f"task.max_prompt_tokens={max_prompt_tokens!r} must be null or an integer >= 1")
-        self.max_prompt_tokens, self.dropped_long = max_prompt_tokens, 0
 
     def _examples(self, rows: list[dict], where: str) -> list[Example]:
         if not rows:
@@ -140,14 +139,14 @@ class HFDataset(JsonlTask):
 
     def drop_long_prompts(self, render, tokenizer, max_tokens: int) -> int:
         """Drop the examples whose formatted prompt is longer than `max_tokens` tokens; returns how many."""
-        def fits(example: Example) -> bool:
-            ids = tokenizer(render.text(example), add_special_tokens=render.add_special_tokens)["input_ids"]
-            return len(ids) <= max_tokens
+        def fitting(examples: list[Example]) -> list[Example]:  # one batched tokenizer call per split
+            ids = tokenizer(render.texts(examples), add_special_tokens=render.add_special_tokens)["input_ids"]
+            return [e for e, row in zip(examples, ids) if len(row) <= max_tokens]
 
         before = len(self.records) + len(self.eval_records or [])
-        self.records = [e for e in self.records if fits(e)]
+        self.records = fitting(self.records)
         if self.eval_records is not None:
-            self.eval_records = [e for e in self.eval_records if fits(e)]
+            self.eval_records = fitting(self.eval_records)
         self.dropped_long = before - len(self.records) - len(self.eval_records or [])
         if not self.records or self.eval_records == [] or not self.pool("eval"):
             raise ValueError(f"task.max_prompt_tokens={max_tokens}: no prompt of the training or held-out data fits")
