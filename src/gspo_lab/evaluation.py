@@ -1,14 +1,39 @@
-"""Held-out accuracy: greedy (and optionally sampled) completions on a task's fixed evaluation set."""
+"""Held-out evaluation as papers report it: greedy accuracy, and n samples per prompt scored as mean@n, pass@k and
+maj@k (gspo_lab.eval_metrics), on one or more evaluation sets, with the completions kept to read.
+
+An evaluation set is a data source with its prompt format and, optionally, its reward functions (the `eval`
+config group, `EvalSettings`); `heldout`, the run's own task's held-out split in the run's prompt format, is the
+default. A completion is correct when the set's task's checker accepts it (`Task.is_correct`, the same one that
+scores eval/accuracy); reward functions, when a set names them, are scored and reported beside it, per function.
+
+Metric names mirror verl's validation (mean@n, maj@k) and lighteval's / lm-eval's pass@k, under eval/<set>/:
+greedy, mean@<n>, pass@<k>, maj@<k>, length (mean completion tokens of the samples, else of greedy), and
+reward/<function>/{greedy,mean@<n>} where a set has several reward functions. Sampling draws from its own seed
+stream (the run's seed, the set's name and the batch: `stream_seed`), so every evaluation of a run samples the
+same prompts with the same seeds, and the training's random state is left as it was.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gspo_lab.eval_metrics import maj_at_k, pass_at_k
 from gspo_lab.prompts import Renderer
+from gspo_lab.rewards import WeightedRewards
+from gspo_lab.rollout.collection import reward_inputs
 from gspo_lab.rollout.generation import generate
+from gspo_lab.seeding import stream_seed
 from gspo_lab.tasks.base import Example, Task
+
+EVAL_SAMPLING = "eval_sampling"
+HELDOUT = "heldout"
 
 
 def accuracy(
@@ -41,3 +66,203 @@ def accuracy(
         )
         correct += sum(task.is_correct(e, text) for e, text in zip(chunk, completions.texts))
     return correct / len(examples)
+
+
+@dataclass
+class EvalSettings:
+    """How each evaluation decodes (the `eval` config group; its sets are built by gspo_lab.eval_sets).
+
+    Args:
+        n: samples per prompt for mean@n, pass@k and maj@k; 0 samples none (greedy only).
+        k: the k of pass@k and maj@k, each <= n.
+        greedy: also decode greedily (eval/<set>/greedy; on the heldout set, eval/accuracy).
+        temperature, top_p: the samples' sampling (no top-k, as in training).
+        max_new_tokens: the generation budget; null: rollout.max_new_tokens.
+        batch_size: completions per `generate` call (n samples of batch_size // n prompts when sampling).
+        samples: prompts per set whose completions an evaluation during training keeps (samples/step_<k>.jsonl,
+            a wandb Table); 0 keeps none.
+    """
+
+    n: int = 0
+    k: list[int] = field(default_factory=lambda: [1])
+    greedy: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int | None = None
+    batch_size: int = 256
+    samples: int = 4
+
+    def __post_init__(self) -> None:
+        def whole(key: str, value, minimum: int) -> None:
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+                raise ValueError(f"eval.{key}={value!r} is invalid: must be an integer >= {minimum}")
+
+        whole("n", self.n, 0)
+        whole("batch_size", self.batch_size, 1)
+        whole("samples", self.samples, 0)
+        if self.max_new_tokens is not None:
+            whole("max_new_tokens", self.max_new_tokens, 1)
+        self.k = list(self.k or [])
+        for k in self.k:
+            whole("k", k, 1)
+        if self.n and any(k > self.n for k in self.k):
+            raise ValueError(f"eval.k={self.k} is invalid: every k must be <= eval.n={self.n} (pass@k and maj@k "
+                             "choose k of the n samples)")
+        if not (self.greedy or self.n):
+            raise ValueError("eval.greedy=false with eval.n=0 is invalid: an evaluation would decode nothing; set "
+                             "eval.n >= 1 or keep eval.greedy=true (or train.eval_every=0 for no evaluation)")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"eval.temperature={self.temperature!r} is invalid: must be a finite number > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"eval.top_p={self.top_p!r} is invalid: must satisfy 0 < top_p <= 1")
+
+
+@dataclass
+class EvalSet:
+    """One evaluation set: its task (examples and checker), how prompts are rendered, and its reward functions
+    (None: correctness only)."""
+
+    name: str
+    task: Task
+    examples: list[Example]
+    render: Renderer
+    rewards: WeightedRewards | None = None
+
+
+@dataclass
+class Decoded:
+    """The completions of one set's prompts in one mode, with what each was scored."""
+
+    texts: list[str]
+    lengths: list[int]
+    correct: list[bool]
+    answers: list[str | None]
+    rewards: dict[str, list[float]]  # function -> reward of each completion (NaN where it did not apply)
+
+
+class Evaluator:
+    """Evaluates a model on every set: metrics (summed on this rank, reduced by `reduce_sum`, then divided) and
+    the rows of the samples table.
+
+    Args:
+        sets: the evaluation sets.
+        settings: how to decode (`EvalSettings`).
+        max_new_tokens: the budget when settings leave it unset (rollout.max_new_tokens).
+        stop_token_ids: rollout.stop_token_ids.
+        seed: the run's seed; with the set's name and the batch, it seeds each batch's sampling.
+    """
+
+    def __init__(self, sets: list[EvalSet], settings: EvalSettings, max_new_tokens: int,
+                 stop_token_ids: Sequence[int], seed: int) -> None:
+        self.sets, self.settings, self.seed = sets, settings, seed
+        self.max_new_tokens = settings.max_new_tokens or max_new_tokens
+        self.stop_token_ids = list(stop_token_ids)
+
+    def run(self, model, tokenizer, rank: int = 0, world: int = 1,
+            reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, keep: int | None = None,
+            progress: Callable[[int], None] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Metrics of every set and the sample rows of the first `keep` prompts of each (all: None) on this rank.
+        Every rank scores the prompts rank, rank + world, ...; `progress(n)` is told of each n completions."""
+        metrics: dict[str, float] = {}
+        rows: list[dict[str, Any]] = []
+        started = time.perf_counter()
+        for eval_set in self.sets:
+            began = time.perf_counter()
+            indices = list(range(rank, len(eval_set.examples), world))
+            examples = [eval_set.examples[i] for i in indices]
+            n = self.settings.n
+            greedy = self._decode(model, tokenizer, eval_set, examples, 1, True, rank, progress) \
+                if self.settings.greedy else None
+            sampled = self._decode(model, tokenizer, eval_set, examples, n, False, rank, progress) if n else None
+            sums = self._sums(eval_set, greedy, sampled, len(examples))
+            keys = sorted(sums)
+            totals = reduce_sum(torch.tensor([sums[key] for key in keys], dtype=torch.float64))
+            values = dict(zip(keys, totals.tolist()))
+            for key in keys:
+                if not key.endswith("#"):
+                    count = values[f"{key}#"] if f"{key}#" in values else values["prompts#"]
+                    metrics[f"eval/{eval_set.name}/{key}"] = values[key] / count if count else math.nan
+            metrics[f"eval/{eval_set.name}/time_s"] = time.perf_counter() - began
+            kept = [j for j, i in enumerate(indices) if keep is None or i < keep]
+            rows += self._rows(eval_set, indices, examples, kept, greedy, sampled)
+        metrics["eval/time_s"] = time.perf_counter() - started
+        return metrics, rows
+
+    def _decode(self, model, tokenizer, eval_set: EvalSet, examples: list[Example], n: int, greedy: bool,
+                rank: int, progress) -> Decoded:
+        """n completions of each example (one when `greedy`), batch_size completions per `generate` call; each
+        batch's sampling is seeded from (seed, set, batch, rank), so every evaluation draws the same samples."""
+        per_batch = max(1, self.settings.batch_size // n)
+        decoded = Decoded([], [], [], [], {})
+        for batch, start in enumerate(range(0, len(examples), per_batch)):
+            chunk = [e for e in examples[start : start + per_batch] for _ in range(n)]
+            if not greedy:
+                torch.manual_seed(stream_seed(self.seed, f"{EVAL_SAMPLING}/{eval_set.name}", batch, rank))
+            out = generate(model, tokenizer, eval_set.render.texts(chunk), self.max_new_tokens,
+                           temperature=self.settings.temperature, top_p=self.settings.top_p, greedy=greedy,
+                           share_prompts=n > 1, stop_token_ids=self.stop_token_ids,
+                           add_special_tokens=eval_set.render.add_special_tokens)
+            decoded.texts += out.texts
+            decoded.lengths += out.completion_mask.sum(-1).tolist()
+            decoded.correct += [bool(eval_set.task.is_correct(e, t)) for e, t in zip(chunk, out.texts)]
+            decoded.answers += [eval_set.task.answer_of(t) for t in out.texts]
+            if eval_set.rewards is not None:
+                scores = eval_set.rewards.score(*reward_inputs(chunk, out),
+                                                where=lambda i: f"eval set {eval_set.name}, completion {i}")
+                for name, values in scores.per_function.items():
+                    decoded.rewards.setdefault(name, []).extend(values.tolist())
+            if progress is not None:
+                progress(len(chunk))
+        return decoded
+
+    def _sums(self, eval_set: EvalSet, greedy: Decoded | None, sampled: Decoded | None, prompts: int
+              ) -> dict[str, float]:
+        """Per-prompt metrics summed over this rank's prompts; a key ending in '#' counts the entries of the key
+        before it (where not every prompt contributes), 'prompts#' the prompts."""
+        sums: dict[str, float] = {"prompts#": float(prompts)}
+        several = eval_set.rewards is not None and len(eval_set.rewards.functions) > 1
+        if greedy is not None:
+            sums["greedy"] = float(sum(greedy.correct))
+            sums["length"] = float(sum(greedy.lengths))
+        if sampled is not None:
+            n = self.settings.n
+            sums[f"mean@{n}"] = 0.0
+            for k in self.settings.k:
+                sums[f"pass@{k}"] = sums[f"maj@{k}"] = 0.0
+            for p in range(prompts):
+                correct, answers = sampled.correct[p * n : (p + 1) * n], sampled.answers[p * n : (p + 1) * n]
+                sums[f"mean@{n}"] += sum(correct) / n
+                for k in self.settings.k:
+                    sums[f"pass@{k}"] += pass_at_k(n, sum(correct), k)
+                for k in self.settings.k:
+                    # maj@k: the majority answer among the first k samples, correct if a sample giving it is
+                    sums[f"maj@{k}"] += maj_at_k(answers, {a for a, c in zip(answers[:k], correct) if c}, k)
+            sums["length"] = float(sum(sampled.lengths)) / n
+        for decoded, suffix in ((greedy, "greedy"), (sampled, f"mean@{self.settings.n}")):
+            if decoded is None or not several:
+                continue
+            for name, values in decoded.rewards.items():
+                applied = [v for v in values if not math.isnan(v)]
+                sums[f"reward/{name}/{suffix}"] = float(sum(applied))
+                sums[f"reward/{name}/{suffix}#"] = float(len(applied))
+        return sums
+
+    def _rows(self, eval_set: EvalSet, indices: list[int], examples: list[Example], kept: list[int],
+              greedy: Decoded | None, sampled: Decoded | None) -> list[dict[str, Any]]:
+        """One row per kept completion: set, prompt index, prompt, reference answer, mode, sample number,
+        completion, extracted answer, correct, rewards."""
+        rows = []
+        for mode, decoded, n in (("greedy", greedy, 1), ("sample", sampled, self.settings.n)):
+            if decoded is None:
+                continue
+            for j in kept:
+                for s in range(n):
+                    c = j * n + s
+                    rows.append({
+                        "set": eval_set.name, "index": indices[j], "prompt": examples[j].prompt,
+                        "reference": examples[j].answer, "mode": mode, "sample": s,
+                        "completion": decoded.texts[c], "tokens": decoded.lengths[c], "answer": decoded.answers[c],
+                        "correct": decoded.correct[c],
+                        "rewards": {name: values[c] for name, values in decoded.rewards.items()},
+                    })
+        return rows

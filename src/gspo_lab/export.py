@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab.cold_start import policy_from_config
 from gspo_lab.models.lora import apply_lora
@@ -35,13 +35,14 @@ def checkpoint_of(source: Path) -> Path:
     return ckpt
 
 
-def export(source: str | Path, out: str | Path, merge: bool = False) -> Path:
-    """Write the checkpoint's policy to `out`; returns `out`."""
-    ckpt, out = checkpoint_of(Path(source)), Path(out)
+def policy_of_checkpoint(ckpt: Path, cfg: DictConfig | None = None):
+    """The policy of a Lightning checkpoint of a run: the model its run's config builds (`cfg`, by default the
+    run's config.yaml) with the checkpoint's weights; returns (model, tokenizer, LoraPolicy or None)."""
     run_dir = ckpt.parent.parent
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir / 'config.yaml'}: the run's config is needed to rebuild its model")
-    cfg = OmegaConf.load(run_dir / "config.yaml")
+    if cfg is None:
+        if not (run_dir / "config.yaml").is_file():
+            raise FileNotFoundError(f"{run_dir / 'config.yaml'}: the run's config is needed to rebuild its model")
+        cfg = OmegaConf.load(run_dir / "config.yaml")
     model, tokenizer, _ = policy_from_config(cfg, instantiate(cfg.task))
     lora = apply_lora(model, instantiate(cfg.model).lora, cfg.seed) if cfg.model.lora.enabled else None
     state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
@@ -50,6 +51,13 @@ def export(source: str | Path, out: str | Path, merge: bool = False) -> Path:
     if unexpected or (lora is not None and not weights):
         raise ValueError(f"{ckpt}: its weights do not fit the model its run's config builds (unexpected "
                          f"{unexpected[:3]}); was the config changed after the run?")
+    return model, tokenizer, lora
+
+
+def export(source: str | Path, out: str | Path, merge: bool = False) -> Path:
+    """Write the checkpoint's policy to `out`; returns `out`."""
+    ckpt, out = checkpoint_of(Path(source)), Path(out)
+    model, tokenizer, lora = policy_of_checkpoint(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     if lora is None:
         model.save_pretrained(out)

@@ -20,6 +20,7 @@ or another algorithm on the same seed, draws the same prompts and (while the wei
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import time
 from pathlib import Path
@@ -27,12 +28,14 @@ from typing import Callable
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import WandbLogger
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
-from gspo_lab.evaluation import accuracy
+from gspo_lab.eval_sets import EvalPlan, SetSpec
+from gspo_lab.evaluation import HELDOUT, EvalSettings
 from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective
 from gspo_lab.prompts import PromptFormat
@@ -70,6 +73,8 @@ class RLModule(RolloutCollection, L.LightningModule):
             checker, graded in this process.
         prompt: how an example becomes model input (gspo_lab.prompts, the `prompt` config group); by default
             the prompt text as it is, or in the tokenizer's chat template when it has one.
+        evaluation: the evaluation sets and how they decode (gspo_lab.eval_sets, the `eval` config group); by
+            default greedy accuracy on the task's held-out split (`heldout`).
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         lora: LoraPolicy | None = None,
         rewards: WeightedRewards | None = None,
         prompt: PromptFormat | None = None,
+        evaluation: EvalPlan | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -103,7 +109,9 @@ class RLModule(RolloutCollection, L.LightningModule):
         self.engine = RolloutEngine(model, rollout.engine)  # the trainer's model itself unless configured
         self.prompts = PromptSchedule(task, rollout.prompts_per_step, seed)
         self.render = (prompt or PromptFormat()).bind(tokenizer)
-        self.eval_set = task.eval_examples()
+        self.evaluation = evaluation or EvalPlan(EvalSettings(), [SetSpec(HELDOUT, task, prompt or PromptFormat(),
+                                                                          None, None)])
+        self.evaluator = self.evaluation.evaluator(tokenizer, rollout.max_new_tokens, rollout.stop_token_ids, seed)
         self.rl_step = 0  # RL steps completed; saved in checkpoints
         self.history: list[dict[str, float]] = []  # every logged row (rank 0's view), saved in checkpoints
         self.consecutive_skips = 0
@@ -172,6 +180,7 @@ class RLModule(RolloutCollection, L.LightningModule):
     def teardown(self, stage: str) -> None:
         if self.rewards.runner is not None:  # the grading pool's worker processes
             self.rewards.runner.close()
+        self.evaluation.close()
 
     # ---- one RL step --------------------------------------------------------------------------------------
 
@@ -184,7 +193,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         metrics: dict[str, float] = {}
         evaluating = self.train_cfg.eval_every > 0
         if evaluating and step % self.train_cfg.eval_every == 0:
-            metrics["eval/accuracy"] = self.evaluate()
+            metrics.update(self.evaluate(step))
         started = time.perf_counter()
         batch = self.collect_rollout(step, metrics)
         rolled = time.perf_counter()
@@ -201,7 +210,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         self.rl_step += 1
         self.log_step(step, metrics)
         if self.rl_step == self.train_cfg.steps:
-            final = {"eval/accuracy": self.evaluate()} if evaluating else {}
+            final = self.evaluate(self.rl_step) if evaluating else {}
             if self.trainer.world_size > 1 and not is_sharded(self.model):  # replicas (DDP) must agree
                 final["params/rank_spread"] = self.rank_spread()
             if final:
@@ -311,16 +320,34 @@ class RLModule(RolloutCollection, L.LightningModule):
         gathered = self.all_gather(sums)  # [world, n_tensors]
         return (gathered - gathered[0]).abs().max().item()
 
-    def evaluate(self) -> float:
-        """Greedy held-out accuracy; each rank scores its share of the fixed evaluation set."""
-        shard = self.eval_set[self.global_rank :: self.trainer.world_size]
-        correct = 0.0
-        if shard:
-            correct = len(shard) * accuracy(self.model, self.tokenizer, self.task, shard,
-                                            self.rollout_cfg.max_new_tokens, render=self.render,
-                                            stop_token_ids=self.rollout_cfg.stop_token_ids)
-        total = self.trainer.strategy.reduce(torch.tensor(correct, device=self.device), reduce_op="sum")
-        return float(total) / len(self.eval_set)
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Every evaluation set's metrics (gspo_lab.evaluation; each rank scores its share of the prompts) and
+        eval/accuracy, the heldout set's greedy accuracy. Sampling draws from the evaluation's own seeds, and the
+        training's random state is restored after it. Rank 0 keeps the first `eval.samples` prompts of its share
+        of each set in samples/step_<step>.jsonl (and a wandb Table)."""
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            metrics, rows = self.evaluator.run(
+                self.model, self.tokenizer, self.global_rank, self.trainer.world_size,
+                reduce_sum=lambda t: self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").cpu(),
+                keep=self.evaluator.settings.samples)
+        if f"eval/{HELDOUT}/greedy" in metrics:
+            metrics["eval/accuracy"] = metrics[f"eval/{HELDOUT}/greedy"]
+        if rows and self.global_rank == 0:
+            self.write_samples(step, rows)
+        return metrics
+
+    def write_samples(self, step: int, rows: list[dict]) -> None:
+        """samples/step_<step>.jsonl in the run dir, and one wandb Table per set when the wandb logger is on."""
+        folder = Path(self.trainer.default_root_dir) / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"step_{step}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        for logger in self.loggers:
+            if isinstance(logger, WandbLogger):
+                columns = ["set", "index", "prompt", "reference", "mode", "sample", "completion", "answer", "correct"]
+                for name in dict.fromkeys(row["set"] for row in rows):
+                    data = [[row[c] for c in columns] for row in rows if row["set"] == name]
+                    logger.log_table(key=f"samples/{name}", columns=columns, data=data, step=step)
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         """Reduce across ranks, write one row to every logger, and show the headline on the progress bar."""

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from gspo_lab import CONFIG_DIR, SOURCE_ROOT
 from gspo_lab.callbacks import GracefulStop
 from gspo_lab.cold_start import policy_from_config
+from gspo_lab.eval_sets import build_eval
 from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import ContextTooLong
 from gspo_lab.models.lora import apply_lora
@@ -73,6 +74,7 @@ class Plan:
     task: object
     rewards: object
     prompt: object
+    evaluation: object
     objective: object
     advantage: object
     optimizer: object
@@ -88,6 +90,7 @@ def plan(cfg: DictConfig) -> Plan:
         model_source = instantiate(cfg.model)  # the model source checks its own settings; weights load later
         parts["prompt"] = instantiate(cfg.prompt)
         parts["rewards"] = build_rewards(cfg.reward, parts["task"], parts["train"].on_reward_error)
+        parts["evaluation"] = build_eval(cfg, parts["task"], parts["prompt"], parts["train"].on_reward_error)
         loggers = [instantiate(c) for c in cfg.get("logger", {}).values()]
         callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values()]
         trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
@@ -171,7 +174,7 @@ def build(cfg: DictConfig) -> tuple[Plan, RLModule, dict]:
     except (ContextTooLong, ValueError) as error:
         raise ConfigError(str(error)) from error
     module = RLModule(model, tokenizer, run.task, run.objective, run.advantage, run.optimizer, run.rollout,
-                      run.train, run.routing, cfg.seed, lora, run.rewards, run.prompt)
+                      run.train, run.routing, cfg.seed, lora, run.rewards, run.prompt, run.evaluation)
     return run, module, cold_start
 
 

@@ -17,6 +17,8 @@ Select them with `reward=<option>` (conf/reward/) or list them under `reward.fun
 
 from __future__ import annotations
 
+import functools
+
 import re
 from typing import Any
 
@@ -100,20 +102,47 @@ def soft_overlong_punishment(prompts, completions, completion_ids, max_length: i
             for ids in completion_ids]
 
 
+@functools.cache
+def _extraction(latex_only: bool) -> list:
+    """math-verify's extraction of a completion's answer: LaTeX, boxed first, anchored answers only; with
+    `latex_only=False` plain expressions too. Built once per setting."""
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    latex = LatexExtractionConfig(
+        normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
+                                                 boxed="all", units=True),
+        boxed_match_priority=0, try_extract_without_anchor=False)
+    return [latex] if latex_only else [latex, ExprExtractionConfig()]
+
+
+def math_answer(text: str, latex_only: bool = True) -> str | None:
+    """The answer math-verify extracts from `text` as math_accuracy does (a number as its value, so 0.5 and 1/2
+    agree; else its sympy string), or None: what maj@k votes on for math tasks."""
+    from math_verify import parse
+
+    try:
+        got = parse(text, extraction_config=_extraction(latex_only), extraction_mode="first_match")
+    except Exception:  # noqa: BLE001 - extraction must not raise on model output
+        return None
+    if not got:
+        return None
+    value = got[0]
+    try:  # a number as its value to 12 digits (0.5 and 1/2 vote together), else the expression's sympy string
+        return format(float(value), ".12g") if getattr(value, "is_number", False) else str(value)
+    except (TypeError, ValueError):  # a complex or otherwise non-real number
+        return str(value)
+
+
 def math_accuracy(prompts, completions, answer, latex_only: bool = True, **kwargs) -> list[float | None]:
     r"""1 where math-verify finds the completion's answer equal to the reference (`\frac{1}{2}` = 0.5, units,
     boxed), 0 where not, None where the reference does not parse. The gold answer is parsed as TRL's and
     open-r1's accuracy reward parse it (default extraction, first match); the completion with LaTeX extraction,
     `\boxed{}` first, only anchored answers, unless `latex_only=false` adds plain expressions ("the answer is
     42", as GSM8K-style completions end)."""
-    from latex2sympy2_extended import NormalizationConfig
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    from math_verify import parse, verify
 
-    latex = LatexExtractionConfig(
-        normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
-                                                 boxed="all", units=True),
-        boxed_match_priority=0, try_extract_without_anchor=False)
-    extraction = [latex] if latex_only else [latex, ExprExtractionConfig()]
+    extraction = _extraction(latex_only)
     rewards = []
     for completion, reference in zip(completions, answer):
         gold = parse(str(reference), extraction_mode="first_match")

@@ -142,16 +142,7 @@ class RolloutCollection:
         examples' prompts, the completions (as assistant messages when the prompts are conversational), their
         token ids up to and including the stop token, the reference `answer` and every other column."""
         group = self.rollout_cfg.group_size
-        conversational = bool(examples) and isinstance(examples[0].prompt, list)
-        texts = completions.texts
-        replies = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
-        # one copy to the host for the whole round (a GPU sync per row otherwise)
-        lengths = completions.completion_mask.sum(-1).tolist()
-        ids = [row[:n] for row, n in zip(completions.completion_ids.tolist(), lengths)]  # right-padded rows
-        columns = {"answer": [e.answer for e in examples]}
-        for key in examples[0].meta if examples else ():
-            columns[key] = [e.meta.get(key) for e in examples]
-        return self.rewards.score([e.prompt for e in examples], replies, ids, columns,
+        return self.rewards.score(*reward_inputs(examples, completions),
                                   where=lambda i: f"RL step {step}, prompt {i // group}, completion {i % group}")
 
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, float]:
@@ -159,6 +150,22 @@ class RolloutCollection:
             "rollout/completions": float(len(batch.rewards)),  # this rank's; the mean over ranks is logged
             "rollout/width": float(batch.input_ids.shape[1]),  # padded prompt + completion positions per row
         }
+
+
+def reward_inputs(examples: list[Example], completions: Completions) -> tuple[list, list, list[list[int]], dict]:
+    """What reward functions get for these completions of `examples` (one example per completion): the prompts,
+    the completions (as assistant messages when the prompts are conversational), their token ids up to and
+    including the stop token, and the columns (the reference `answer` and every other column of the data)."""
+    conversational = bool(examples) and isinstance(examples[0].prompt, list)
+    texts = completions.texts
+    replies = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+    # one copy to the host for the whole round (a GPU sync per row otherwise)
+    lengths = completions.completion_mask.sum(-1).tolist()
+    ids = [row[:n] for row, n in zip(completions.completion_ids.tolist(), lengths)]  # right-padded rows
+    columns = {"answer": [e.answer for e in examples]}
+    for key in examples[0].meta if examples else ():
+        columns[key] = [e.meta.get(key) for e in examples]
+    return [e.prompt for e in examples], replies, ids, columns
 
 
 def sample_metrics(rewards: torch.Tensor, completions: Completions, group_size: int) -> dict[str, float]:

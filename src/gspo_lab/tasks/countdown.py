@@ -179,6 +179,13 @@ class Countdown(Task):
             return None
         return value
 
+    def answer_of(self, completion: str) -> str | None:
+        """The expression's exact value (different expressions of the same value vote together), else None."""
+        try:
+            return str(parse_expression(completion)[0])
+        except ParseError:
+            return None
+
     def is_correct(self, example: Example, completion: str) -> bool:
         value = self._evaluate(example, completion)
         return value is not None and value == example.meta["target"]

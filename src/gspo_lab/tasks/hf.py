@@ -156,6 +156,17 @@ class HFDataset(JsonlTask):
     def demonstration(self, example: Example) -> str:
         return example.answer if example.solution is None else example.solution
 
+    def answer_of(self, completion: str) -> str | None:
+        """What the checker reads: the whole text (exact), the last number (numeric), or math-verify's answer."""
+        from gspo_lab.rewards.functions import last_number, math_answer
+
+        if self.match == "exact":
+            return super().answer_of(completion)
+        if self.match == "numeric":
+            number = last_number(completion)
+            return None if number is None else repr(number)
+        return math_answer(completion, latex_only=False)
+
     def is_correct(self, example: Example, completion: str) -> bool:
         from gspo_lab.rewards.functions import math_accuracy, numeric_match
 

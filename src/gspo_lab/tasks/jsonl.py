@@ -122,6 +122,12 @@ class JsonlTask(Task):
     def demonstration(self, example: Example) -> str:
         return example.answer
 
+    def answer_of(self, completion: str) -> str | None:
+        if self.match == "exact":
+            return super().answer_of(completion)
+        number = _number(completion)
+        return None if number is None else repr(number)
+
     def is_correct(self, example: Example, completion: str) -> bool:
         if self.match == "exact":
             return completion.strip() == example.answer

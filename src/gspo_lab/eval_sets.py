@@ -1,0 +1,125 @@
+"""The `eval` config group -> evaluation sets: each a data source, its prompt format and its reward functions.
+
+    eval:
+      sets:
+        heldout: {}                                 # the run's task's held-out split, the run's prompt
+        countdown: {task: countdown}                # an option of conf/task (its held-out split)
+        test: {task: {eval_split: test}, size: 200} # the run's task config with these keys changed
+        math: {task: {_target_: gspo_lab.tasks.HFDataset, path: ...}, prompt: default, reward: math_verify}
+
+`task`, `prompt` and `reward` each take null (the run's task or prompt; no reward functions, correctness only),
+the name of an option of that config group (conf/task/countdown.yaml), or a config: a mapping with a `_target_`
+is one whole, a mapping without one changes keys of the run's. `size` keeps the first `size` held-out prompts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from gspo_lab import CONFIG_DIR
+from gspo_lab.evaluation import HELDOUT, EvalSet, EvalSettings, Evaluator
+from gspo_lab.prompts import PromptFormat
+from gspo_lab.rewards import WeightedRewards, build_rewards
+from gspo_lab.tasks.base import Task
+
+SET_KEYS = ("task", "prompt", "reward", "size")
+SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass
+class SetSpec:
+    """One set before a tokenizer exists: what `bind` renders with."""
+
+    name: str
+    task: Task
+    prompt: PromptFormat
+    rewards: WeightedRewards | None
+    size: int | None
+
+
+@dataclass
+class EvalPlan:
+    """The validated `eval` group: the settings and each set's parts; `evaluator(tokenizer, ...)` binds them."""
+
+    settings: EvalSettings
+    specs: list[SetSpec]
+
+    def evaluator(self, tokenizer, max_new_tokens: int, stop_token_ids, seed: int) -> Evaluator:
+        sets = []
+        for spec in self.specs:
+            examples = spec.task.eval_examples()
+            examples = examples[: spec.size] if spec.size else examples
+            sets.append(EvalSet(spec.name, spec.task, examples, spec.prompt.bind(tokenizer), spec.rewards))
+        return Evaluator(sets, self.settings, max_new_tokens, stop_token_ids, seed)
+
+    def close(self) -> None:
+        """Stop the grading pools of the sets' reward functions."""
+        for spec in self.specs:
+            if spec.rewards is not None and spec.rewards.runner is not None:
+                spec.rewards.runner.close()
+
+
+def build_eval(cfg: DictConfig, task: Task, prompt: PromptFormat, on_error: str = "zero") -> EvalPlan:
+    """The `eval` group checked and built against the run's task (`cfg.task`, instantiated as `task`) and prompt;
+    raises ValueError naming the key, the value and the rule."""
+    group = cfg.get("eval") or OmegaConf.create({"sets": {HELDOUT: {}}})  # a config from before the eval group
+    settings = EvalSettings(**{k: v for k, v in OmegaConf.to_container(group, resolve=True).items() if k != "sets"})
+    sets = group.get("sets")
+    if not isinstance(sets, DictConfig) or not sets:
+        raise ValueError(f"eval.sets={sets!r} is invalid: must map at least one set name to its settings (heldout: "
+                         "{} is the run's task's held-out split)")
+    specs = []
+    for name, spec in sets.items():
+        where = f"eval.sets.{name}"
+        if not SET_NAME.fullmatch(str(name)):
+            raise ValueError(f"{where}: the name {name!r} is invalid: metric names eval/<set>/... take letters, digits, "
+                             "'_', '.' and '-'")
+        spec = spec or OmegaConf.create({})
+        if not isinstance(spec, DictConfig) or set(spec) - set(SET_KEYS):
+            raise ValueError(f"{where}={spec!r} is invalid: must be a mapping with keys among {list(SET_KEYS)}")
+        size = spec.get("size")
+        if size is not None and not (isinstance(size, int) and size >= 1):
+            raise ValueError(f"{where}.size={size!r} is invalid: must be an integer >= 1, or null for all")
+        set_task = task if spec.get("task") is None else instantiate(option("task", spec.task, cfg, where))
+        set_prompt = prompt if spec.get("prompt") is None else instantiate(option("prompt", spec.prompt, cfg, where))
+        rewards = None
+        if spec.get("reward") is not None:
+            rewards = build_rewards(option("reward", spec.reward, cfg, where), set_task, on_error)
+        specs.append(SetSpec(str(name), set_task, set_prompt, rewards, size))
+    return EvalPlan(settings, specs)
+
+
+def option(group: str, value, cfg: DictConfig, where: str) -> DictConfig:
+    """A set's `task`, `prompt` or `reward`: an option's name (conf/<group>/<name>.yaml), a whole config (has a
+    `_target_`, or is a reward group's `functions`), or keys changed on the run's config; interpolations
+    (${rollout.max_new_tokens}) resolve against the run's config `cfg`."""
+    if isinstance(value, str):
+        node = load_option(group, value, where)
+    elif isinstance(value, DictConfig):
+        whole = "_target_" in value or (group == "reward" and "functions" in value)
+        node = value if whole else OmegaConf.merge(cfg[group], value)
+    else:
+        raise ValueError(f"{where}.{group}={value!r} is invalid: must be null, an option of conf/{group} or a mapping")
+    root = cfg.copy()  # the run's config, to resolve the option in
+    with open_dict(root):
+        root["_eval_option"] = node
+    return OmegaConf.create(OmegaConf.to_container(root["_eval_option"], resolve=True))
+
+
+def load_option(group: str, name: str, where: str = "eval.sets") -> DictConfig:
+    """conf/<group>/<name>.yaml with its `defaults` (other options of the same group, then _self_) merged in."""
+    path = Path(CONFIG_DIR) / group / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ValueError(f"{where}.{group}={name!r} is not an option of conf/{group} (one of {known})")
+    cfg = OmegaConf.load(path)
+    merged = OmegaConf.create({})
+    entries = list(cfg.pop("defaults", []))
+    for entry in entries if "_self_" in entries else [*entries, "_self_"]:
+        merged = OmegaConf.merge(merged, cfg if entry == "_self_" else load_option(group, entry, where))
+    return merged
