@@ -33,7 +33,7 @@ def test_a_run_on_a_users_chat_model_and_gsm8k_file_trains_on_chatml_prompts(byo
                  "{_target_:tests.rewards.user_rewards.LengthPenalty,weight:0.5,per_char:0.02}]")
     run, module, cold = build(compose(byo + [f"paths.output_dir={tmp_path}", functions]))
     assert cold == {"enabled": False}  # a checkpoint starts RL as saved
-    example = module.eval_set[0]
+    example = module.evaluator.sets[0].examples[0]
     assert module.render.text(example) == f"<|im_start|>user\n{example.prompt}<|im_end|>\n<|im_start|>assistant\n"
     assert [(f.name, f.weight) for f in module.rewards.functions] == [("math_accuracy", 1.0), ("LengthPenalty", 0.5)]
     before = [p.detach().clone() for p in module.model.parameters()]

@@ -78,18 +78,26 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
 
 def test_a_sweep_of_two_jobs_runs_both_and_reports(tmp_path):
     """The smoke test of multirun in `make test`: two algorithms x two seeds in two parallel joblib jobs, then
-    gspo-report on the sweep: each setting's row has its two seeds and a bootstrap interval."""
+    gspo-report on the sweep: each setting's row has its two seeds and a bootstrap interval, the evaluation
+    metric asked for (--metric) too, and each setting a sample table and its evaluation set a curve."""
     sweep = tmp_path / "sweep"
     result = gspo_train(["-m", "algorithm=gspo,grpo", "seed=0,1", "sft.enabled=false", "hydra/launcher=joblib",
-                         f"hydra.sweep.dir={sweep}", "model.config.num_hidden_layers=1", "train.eval_every=1", *TINY],
-                        tmp_path)
+                         f"hydra.sweep.dir={sweep}", "model.config.num_hidden_layers=1", "train.eval_every=1",
+                         "eval.n=2", "eval.k=[1,2]", "eval.samples=2", *TINY], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = finished_runs(sweep)
     assert [run.name.split(",")[0] for run in runs] == ["0_algorithm=gspo", "1_algorithm=gspo", "2_algorithm=grpo",
                                                         "3_algorithm=grpo"]
-    report_main([str(sweep), "--baseline", "algorithm=gspo"])
+    report_main([str(sweep), "--baseline", "algorithm=gspo", "--metric", "eval/heldout/pass@2"])
     text = (sweep / "report.md").read_text()
     assert re.search(r"^\| algorithm=grpo \| 2 \| [012] \| [012] \| \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \|", text, re.MULTILINE)
+    header = next(line for line in text.splitlines() if line.startswith("| setting | seeds | collapsed"))
+    assert header.endswith("| clip/frac | eval/heldout/pass@2 |")
+    assert re.search(r"^\| algorithm=gspo \|.* \| \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \|$", text, re.MULTILINE)
+    samples = text.split("## Samples: algorithm=gspo (seed 0)")[1].split("##")[0]
+    assert "| set | prompt | reference | step | greedy | samples |" in samples
+    assert re.search(r"^\| heldout \| .* \| 1 \| [✓✗] .* \| [✓✗] .* · [✓✗] ", samples, re.MULTILINE)  # the last step
+    assert (sweep / "eval_heldout.png").is_file()
     assert re.search(r"^\| algorithm=grpo \| 2 \| -?\d\.\d{3} \[", text.split("## Paired")[1], re.MULTILINE)
     assert (sweep / "report.html").stat().st_size > 0 and (sweep / "statistics.csv").is_file()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -158,10 +159,11 @@ def format_metrics(result: dict) -> str:
     lines, by_set = [f"gspo-eval: {result['checkpoint']}"], {}
     for key, value in result["metrics"].items():
         parts = key.split("/")
-        if len(parts) >= 3:
+        if len(parts) >= 3 and parts[0] == "eval":
             by_set.setdefault(parts[1], []).append(f"{'/'.join(parts[2:])} {value:.4g}")
     for name, items in by_set.items():
-        lines.append(f"  {name} ({result['sets'][name]} prompts): " + ", ".join(items))
+        seconds = result["metrics"].get(f"time/eval/{name}_s", math.nan)
+        lines.append(f"  {name} ({result['sets'][name]} prompts, {seconds:.1f} s): " + ", ".join(items))
     return "\n".join(lines)
 
 

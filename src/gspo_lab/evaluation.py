@@ -8,7 +8,8 @@ scores eval/accuracy); reward functions, when a set names them, are scored and r
 
 Metric names mirror verl's validation (mean@n, maj@k) and lighteval's / lm-eval's pass@k, under eval/<set>/:
 greedy, mean@<n>, pass@<k>, maj@<k>, length (mean completion tokens of the samples, else of greedy), and
-reward/<function>/{greedy,mean@<n>} where a set has several reward functions. Sampling draws from its own seed
+reward/<function>/{greedy,mean@<n>} where a set has several reward functions; the time each set took is
+time/eval/<set>_s, the whole evaluation's time/eval_s. Sampling draws from its own seed
 stream (the run's seed, the set's name and the batch: `stream_seed`), so every evaluation of a run samples the
 same prompts with the same seeds, and the training's random state is left as it was.
 """
@@ -182,10 +183,10 @@ class Evaluator:
                 if not key.endswith("#"):
                     count = values[f"{key}#"] if f"{key}#" in values else values["prompts#"]
                     metrics[f"eval/{eval_set.name}/{key}"] = values[key] / count if count else math.nan
-            metrics[f"eval/{eval_set.name}/time_s"] = time.perf_counter() - began
+            metrics[f"time/eval/{eval_set.name}_s"] = time.perf_counter() - began
             kept = [j for j, i in enumerate(indices) if keep is None or i < keep]
             rows += self._rows(eval_set, indices, examples, kept, greedy, sampled)
-        metrics["eval/time_s"] = time.perf_counter() - started
+        metrics["time/eval_s"] = time.perf_counter() - started
         return metrics, rows
 
     def _decode(self, model, tokenizer, eval_set: EvalSet, examples: list[Example], n: int, greedy: bool,

@@ -24,6 +24,14 @@ CURVES = {  # file -> (metric, y label, log scale, smoothing window)
     "routing_change.png": ("routing/changed_frac", "routing/changed_frac (log)", True, 10),
 }
 PROFILE = "performance_profile.png"
+
+
+def eval_set_curves(study: Study, metric: str) -> dict[str, tuple]:
+    """One curve per evaluation set the runs logged (eval_<set>.png): the metric gspo-report --metric names
+    (eval/<set>/pass@1 -> pass@1 on every set), or greedy accuracy."""
+    suffix = metric.split("/", 2)[2] if metric.startswith("eval/") and metric.count("/") >= 2 else "greedy"
+    sets = dict.fromkeys(name for run in study.complete for name in run.eval_sets())
+    return {f"eval_{name}.png": (f"eval/{name}/{suffix}", f"eval/{name}/{suffix}", False, 1) for name in sets}
 COLLAPSED = {"marker": "x", "markersize": 9, "markeredgewidth": 2, "linestyle": "none"}
 
 

@@ -41,8 +41,9 @@ class Run:
         return read_metrics(self.path)
 
     def value(self, metric: str) -> float:
-        """The run's figure for `metric` (NaN where it was not logged); "accuracy gain" is after - before, "seq ratio
-        spread" the mean over steps of ratio/seq/max - ratio/seq/min (the sequence ratios every objective logs)."""
+        """The run's figure for `metric` (NaN where it was not logged): an eval/* metric's last evaluation, another
+        metric's mean over steps; "accuracy gain" is after - before, "seq ratio spread" the mean over steps of
+        ratio/seq/max - ratio/seq/min (the sequence ratios every objective logs)."""
         if metric == "accuracy gain":
             return self.summary["eval/accuracy_after"] - self.summary["eval/accuracy_before"]
         if metric == "seq ratio spread":
@@ -53,7 +54,14 @@ class Run:
         if key in self.summary:
             return self.summary[key]
         _, values = series(self.rows, key)
+        if key.startswith("eval/"):  # an evaluation metric: its last evaluation, after the last step
+            return values[-1] if values else math.nan
         return sum(values) / len(values) if values else math.nan
+
+    def eval_sets(self) -> list[str]:
+        """The evaluation sets the run logged (eval/<set>/<metric> columns), in the order first logged."""
+        keys = (key for row in self.rows[:50] for key in row)
+        return list(dict.fromkeys(key.split("/")[1] for key in keys if key.startswith("eval/") and key.count("/") >= 2))
 
     def collapsed(self, drop: float) -> bool | None:
         """The final held-out accuracy is below the run's own best by more than both `drop` and the binomial

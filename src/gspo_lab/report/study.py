@@ -24,15 +24,20 @@ import pandas as pd
 import yaml
 
 from gspo_lab.report import html
-from gspo_lab.report.figures import CURVES, PROFILE, curves, profile
+from gspo_lab.report.figures import CURVES, PROFILE, curves, eval_set_curves, profile
 # Run and load_run are re-exported: callers of gspo_lab.report.study read runs through it
 from gspo_lab.report.runs import (REWARD_FLOOR, REWARD_WINDOW, Run, Study, UnknownBaseline,  # noqa: F401
                                   discover, load_run)
+from gspo_lab.report.samples import CHARS, PROMPTS, SAMPLES, sample_tables
 from gspo_lab.report.stats import CONFIDENCE, NOISE_Z, RESAMPLES, percentile_coverage
-from gspo_lab.report.tables import (CI, PAIRED_OVER, UNPAIRED_OVER, markdown, paired, paired_text, settings_table,
-                                    statistics, statistics_text)
+from gspo_lab.report.tables import (CI, HEADLINE, PAIRED_OVER, UNPAIRED_OVER, markdown, paired, paired_text,
+                                    settings_table, statistics, statistics_text)
 
-FIGURES = [*CURVES, PROFILE]
+FIGURES = [*CURVES, PROFILE]  # and eval_<set>.png per evaluation set
+
+
+class UnknownMetric(ValueError):
+    """--metric names a metric no finished run logged; the message lists the evaluation metrics they did."""
 
 
 def choose_baseline(settings: list[str], baseline: str | None) -> str | None:
@@ -105,9 +110,9 @@ def collapse_note(study: Study, drop: float) -> str:
 
 
 def sections(study: Study, dirs: list[Path], baseline: str | None, collapse_drop: float, seed: int,
-             notes: list[str]) -> tuple[Sections, dict[str, pd.DataFrame]]:
+             notes: list[str], metric: str = HEADLINE[0]) -> tuple[Sections, dict[str, pd.DataFrame]]:
     """The report's text and tables, and the numeric frames behind them (written as CSV)."""
-    stats = statistics(study, seed)
+    stats = statistics(study, seed, metric)
     pairs = paired(study, baseline, seed) if baseline is not None else pd.DataFrame()
     intro = [f"{len(study.complete)} finished runs in {len(study.settings())} settings. {interval_note(study, seed)}",
              "", collapse_note(study, collapse_drop)]
@@ -117,8 +122,9 @@ def sections(study: Study, dirs: list[Path], baseline: str | None, collapse_drop
         intro += ["", f"Left out ({len(notes)}):", *notes]
     intro += [line for found in search_results(dirs) for line in ("", found)]
     tables = [("Settings", [f"Mean over seeds [{CI} of the mean]; `collapsed` counts the setting's collapsed runs, "
-                            "`reward collapsed` those whose sampled reward collapsed."],
-               settings_table(study, stats, collapse_drop))]
+                            "`reward collapsed` those whose sampled reward collapsed; an eval/* metric is its value "
+                            "at the run's last evaluation."],
+               settings_table(study, stats, collapse_drop, metric))]
     if len(pairs):
         tables.append(("Paired comparisons", [
             f"Paired differences against `{baseline}` (same seeds): the mean of setting minus baseline over the "
@@ -130,12 +136,18 @@ def sections(study: Study, dirs: list[Path], baseline: str | None, collapse_drop
     tables.append(("Statistics over seeds", [
         "Per metric and setting: mean and interquartile mean (IQM, the mean of the middle 50% of runs; equal to "
         f"the mean below 4 seeds), each with its {CI}. Routing and mismatch metrics are each run's mean over "
-        "steps, shown where logged."], statistics_text(stats)))
+        "steps, evaluation metrics (eval/<set>/...) each run's last evaluation, shown where logged."],
+        statistics_text(stats)))
+    for setting, frame in sample_tables(study):
+        tables.append((f"Samples: {setting}", [
+            f"The first {PROMPTS} prompts of each evaluation set at the run's first and last evaluation "
+            f"(samples/step_<k>.jsonl): the greedy completion and the first {SAMPLES} samples, ✓ correct, ✗ not, "
+            f"cut to {CHARS} characters."], frame))
     return Sections(intro, tables), {"statistics": stats, "paired": pairs}
 
 
 def report(dirs: list[Path], out: Path, baseline: str | None = None, collapse_drop: float = 0.1,
-           bootstrap_seed: int = 0) -> str:
+           bootstrap_seed: int = 0, metric: str = HEADLINE[0]) -> str:
     """Writes report.md, report.html, statistics.csv, paired.csv and the figures into `out`; returns the text
     it prints."""
     study = discover(dirs)
@@ -149,10 +161,15 @@ def report(dirs: list[Path], out: Path, baseline: str | None = None, collapse_dr
     if not study.complete:
         raise SystemExit("gspo-report: no finished run (none has summary.json):\n" + "\n".join(notes))
     baseline = choose_baseline(study.settings(), baseline)  # before anything is written: a bad one leaves no files
-    text, frames = sections(study, dirs, baseline, collapse_drop, bootstrap_seed, notes)
+    logged = {key for run in study.complete for row in run.rows for key in row}
+    if metric not in HEADLINE and metric not in logged:
+        known = ", ".join(sorted(k for k in logged if k.startswith("eval/"))) or "none"
+        raise UnknownMetric(f"--metric={metric!r} is not logged by any finished run; its evaluation metrics: {known}")
+    text, frames = sections(study, dirs, baseline, collapse_drop, bootstrap_seed, notes, metric)
     out.mkdir(parents=True, exist_ok=True)
     collapsed = {run.path for run in study.complete if run.collapsed(collapse_drop)}
-    drawn = [name for name, spec in CURVES.items() if curves(study, *spec, out / name, bootstrap_seed, collapsed)]
+    wanted = {**CURVES, **eval_set_curves(study, metric)}
+    drawn = [name for name, spec in wanted.items() if curves(study, *spec, out / name, bootstrap_seed, collapsed)]
     drawn += [PROFILE] if profile(study, out / PROFILE, bootstrap_seed) else []
     for name, frame in frames.items():
         frame.to_csv(out / f"{name}.csv", index=False)
@@ -175,12 +192,17 @@ def main(argv: list[str] | None = None) -> None:
                         "standard errors of the difference (on the run's task.eval_size prompts), or below its "
                         "first evaluation by more than those standard errors; a run with no recorded eval size "
                         "uses this for both (default: 0.1)")
+    parser.add_argument("--metric", default=HEADLINE[0], help="a column the settings table adds, with intervals: "
+                        "any logged metric, e.g. eval/heldout/pass@1 or eval/math/maj@8 (evaluation metrics: the "
+                        "last evaluation; others: the mean over steps), also drawn per evaluation set "
+                        f"(default: {HEADLINE[0]!r})")
     parser.add_argument("--bootstrap-seed", type=int, default=0, help="seeds every bootstrap, so a report is "
                         "reproducible (default: 0)")
     args = parser.parse_args(argv)
     try:
-        text = report(args.dirs, args.out or args.dirs[0], args.baseline, args.collapse_drop, args.bootstrap_seed)
-    except UnknownBaseline as error:
+        text = report(args.dirs, args.out or args.dirs[0], args.baseline, args.collapse_drop, args.bootstrap_seed,
+                      args.metric)
+    except (UnknownBaseline, UnknownMetric) as error:
         parser.exit(2, f"gspo-report: {error}\n")
     print(text)
     sys.stdout.flush()

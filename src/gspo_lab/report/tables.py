@@ -35,30 +35,40 @@ def _columns(prefix: str, interval: Interval) -> dict:
     return {prefix: interval.value, f"{prefix} low": interval.low, f"{prefix} high": interval.high}
 
 
-def statistics(study: Study, seed: int) -> pd.DataFrame:
+def headline(metric: str = HEADLINE[0]) -> tuple[str, ...]:
+    """The settings table's columns: HEADLINE, and `metric` (gspo-report --metric) after them when it is another."""
+    return HEADLINE if metric in HEADLINE else (*HEADLINE, metric)
+
+
+def statistics(study: Study, seed: int, metric: str = HEADLINE[0]) -> pd.DataFrame:
     """One row per (metric, setting) that has a value: seeds, mean and IQM, each with its interval. The
-    routing and mismatch metrics appear where some run logged them."""
+    routing and mismatch metrics appear where some run logged them, every evaluation set's metrics (eval/*,
+    their last evaluation) where logged."""
+    evaluated = sorted({key for run in study.complete for row in run.rows[:50] for key in row
+                        if key.startswith("eval/") and key.count("/") >= 2 and not key.endswith("time_s")})
     rows = []
-    for metric in HEADLINE + PER_STEP:
+    for name in dict.fromkeys(headline(metric) + PER_STEP + tuple(evaluated)):
         for setting in study.settings():
-            values = scores(study, setting, metric)
+            values = scores(study, setting, name)
             if values:
-                rows.append({"metric": metric, "setting": setting, "seeds": len(values),
+                rows.append({"metric": name, "setting": setting, "seeds": len(values),
                              **_columns("mean", mean_interval(values, seed)),
                              **_columns("IQM", iqm_interval(values, seed))})
     return pd.DataFrame(rows)
 
 
-def settings_table(study: Study, stats: pd.DataFrame, collapse_drop: float) -> pd.DataFrame:
-    """One row per setting: seeds, collapsed runs, and the mean [nominal 95% CI] of each headline metric."""
+def settings_table(study: Study, stats: pd.DataFrame, collapse_drop: float, metric: str = HEADLINE[0]
+                   ) -> pd.DataFrame:
+    """One row per setting: seeds, collapsed runs, and the mean [nominal 95% CI] of each headline metric (with
+    `metric`, gspo-report --metric)."""
     rows = []
     for setting in study.settings():
         runs = study.of(setting)
         row = {"setting": setting, "seeds": len(runs), "collapsed": sum(bool(r.collapsed(collapse_drop)) for r in runs),
                "reward collapsed": sum(bool(r.reward_collapsed()) for r in runs)}
-        for metric in HEADLINE:
-            found = stats[(stats.metric == metric) & (stats.setting == setting)] if len(stats) else stats
-            row[metric] = formatted(found.iloc[0], "mean") if len(found) else "n/a (not logged)"
+        for column in headline(metric):
+            found = stats[(stats.metric == column) & (stats.setting == setting)] if len(stats) else stats
+            row[column] = formatted(found.iloc[0], "mean") if len(found) else "n/a (not logged)"
         rows.append(row)
     return pd.DataFrame(rows)
 
