@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
+from safetensors.torch import load_file
 
 from gspo_lab.eval_cli import EvalError, check_tokenizer, evaluate_checkpoint, run_config, run_dir_of
 from gspo_lab.eval_metrics import maj_at_k, pass_at_k
@@ -202,3 +201,18 @@ def test_answers_that_maj_at_k_votes_on():
 
     assert math_answer(r"so $\boxed{\frac{1}{2}}$") == math_answer(r"$\boxed{0.5}$") is not None
     assert math_answer("no answer here") is None
+
+
+def test_gspo_eval_reads_lora_adapters_on_the_base_their_run_builds(compose, fast_rl, tmp_path):
+    """A LoRA run's final/adapter (adapter_config.json), on the base its run's config builds, gives the numbers of
+    the run's last evaluation, which ran with the adapters."""
+    lora = ["model.lora.enabled=true", "model.lora.rank=4", "train.lr=1e-2", "eval.n=2", "eval.k=[1,2]"]
+    train(compose(fast_rl + EVAL[:5] + lora + [f"paths.output_dir={tmp_path / 'run'}"]))
+    run = tmp_path / "run"
+    assert (run / "final" / "adapter" / "adapter_config.json").is_file()
+    result = evaluate_checkpoint(eval_config(compose, run / "final" / "adapter", tmp_path / "eval"))
+    rows = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("eval/heldout/greedy")]
+    for key in ("eval/heldout/greedy", "eval/heldout/pass@2", "eval/heldout/length"):
+        assert result["metrics"][key] == pytest.approx(float(rows[-1][key]), abs=1e-9), key
+    adapters = load_file(run / "final" / "adapter" / "adapter_model.safetensors")
+    assert max(t.abs().max().item() for k, t in adapters.items() if "lora_B" in k) > 0  # trained (B starts at 0)

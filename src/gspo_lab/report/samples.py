@@ -24,12 +24,12 @@ def sample_files(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def shown(text: str | None, limit: int = CHARS) -> str:
-    """A completion on one line, cut to `limit` characters.
+    """A completion on one line, cut to `limit` characters, with `|` (a table's cell border) shown as ¦.
 
-    >>> shown("12\\n34"), shown("x" * 100, 5)
-    ('12⏎34', 'xxxx…')
+    >>> shown("12\\n34|5"), shown("x" * 100, 5)
+    ('12⏎34¦5', 'xxxx…')
     """
-    text = "" if text is None else text.replace("\n", "⏎")
+    text = "" if text is None else text.replace("\n", "⏎").replace("|", "¦")  # one line, no cell border in tables
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -15,7 +15,6 @@ report.md, report.html (self-contained), statistics.csv, paired.csv and the figu
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
