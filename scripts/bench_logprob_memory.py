@@ -6,6 +6,10 @@ Peak memory is the process's peak resident set above a baseline taken after the 
 (ru_maxrss on CPU; torch.cuda.max_memory_allocated on GPU).
 
     python scripts/bench_logprob_memory.py --rows 64 --length 256 --vocab 32768
+    python scripts/bench_logprob_memory.py --rows 8 --length 2048 --vocab 32768 --chunk 8 --chunk-tokens 1024
+
+`--chunk-tokens N` also bounds each chunk to N (row, token) positions (train.logprob_chunk_tokens), so the
+chunked peak stays flat as the completion grows.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ def naive_logprobs(model, ids, mask, completion_len):
     return logp.gather(-1, ids[:, -completion_len:, None]).squeeze(-1)
 
 
-def measure(method: str, rows: int, length: int, vocab: int, backward: bool, chunk: int) -> dict:
+def measure(method: str, rows: int, length: int, vocab: int, backward: bool, chunk: int,
+            chunk_tokens: int | None = None) -> dict:
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256)
@@ -47,7 +52,7 @@ def measure(method: str, rows: int, length: int, vocab: int, backward: bool, chu
     baseline = peak_mib()
     with torch.set_grad_enabled(backward):
         if method == "chunked":
-            logp, _ = token_logprobs(model, ids, mask, completion, chunk_rows=chunk)
+            logp, _ = token_logprobs(model, ids, mask, completion, chunk_rows=chunk, chunk_tokens=chunk_tokens)
         else:
             logp = naive_logprobs(model, ids, mask, completion)
         if backward:
@@ -62,11 +67,13 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--chunk", type=int, default=8, help="rows per chunk of the chunked computation")
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="(row, token) positions per chunk at most "
+                        "(train.logprob_chunk_tokens; default: whole rows)")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "BACKWARD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         method, backward = args.child[0], args.child[1] == "1"
-        print(json.dumps(measure(method, args.rows, args.length, args.vocab, backward, args.chunk)))
+        print(json.dumps(measure(method, args.rows, args.length, args.vocab, backward, args.chunk, args.chunk_tokens)))
         return
     full = 4 * args.rows * (args.length // 2) * args.vocab / 2**20
     print(f"B={args.rows} T={args.length} (completion {args.length // 2}) V={args.vocab}; one float32 "
@@ -76,6 +83,7 @@ def main() -> None:
         for method in ("naive", "chunked"):
             command = [sys.executable, __file__, "--rows", str(args.rows), "--length", str(args.length), "--vocab",
                        str(args.vocab), "--chunk", str(args.chunk), "--child", method, str(int(backward))]
+            command += ["--chunk-tokens", str(args.chunk_tokens)] if args.chunk_tokens else []
             results[method] = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
         difference = max(abs(a - b) for a, b in zip(results["naive"]["values"], results["chunked"]["values"]))
         ratio = results["chunked"]["peak_mib"] / results["naive"]["peak_mib"]

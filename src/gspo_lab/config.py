@@ -138,6 +138,8 @@ class TrainConfig:
             evaluates (benchmarks).
         ckpt_every: RL steps between checkpoints (last.ckpt is always kept).
         logprob_chunk_rows: rows per chunk of the log-prob computation (bounds its memory).
+        logprob_chunk_tokens: (row, token) positions per chunk of the log-prob computation at most: the largest
+            [*, V] tensor it holds, whatever the completion length (a chunk of r rows spans this // r columns).
         share_prompt_forward: training and reference forwards run each distinct prompt once and its group's
             completions on its keys and values (gspo_lab.rollout.logprobs.shared_prompt_hidden): the same
             maths to float rounding, less work; under routing replay only where a prompt's rows recorded the same
@@ -155,6 +157,7 @@ class TrainConfig:
     eval_every: int = 25
     ckpt_every: int = 50
     logprob_chunk_rows: int = 32
+    logprob_chunk_tokens: int = 8192
     share_prompt_forward: bool = True
     max_consecutive_skips: int = 5
     on_reward_error: str = "zero"
@@ -162,7 +165,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.on_reward_error in ("zero", "raise"), "train.on_reward_error", self.on_reward_error,
                  "must be one of ['zero', 'raise']")
-        for key in ("steps", "minibatches", "ckpt_every", "logprob_chunk_rows", "max_consecutive_skips"):
+        for key in ("steps", "minibatches", "ckpt_every", "logprob_chunk_rows", "logprob_chunk_tokens",
+                    "max_consecutive_skips"):
             _positive_int(f"train.{key}", getattr(self, key))
         _positive_int("train.eval_every", self.eval_every, minimum=0)
         _require(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, "train.lr", self.lr,

@@ -274,6 +274,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         return token_logprobs(
             self.model if model is None else model, batch.input_ids, batch.attention_mask, batch.completion_len,
             self.rollout_cfg.temperature, self.train_cfg.logprob_chunk_rows, share_prompts=share,
+            chunk_tokens=self.train_cfg.logprob_chunk_tokens,
         )
 
     def replay_allows_sharing(self, minibatch: RolloutBatch) -> bool:

@@ -70,3 +70,56 @@ def test_a_forward_that_rescales_its_logits_is_refused():
     rescaled = RescaledQwen3(model.config)
     with pytest.raises(ValueError, match=r"RescaledQwen3 \(model_type 'qwen3'\).*head_transform does not know"):
         check_logprobs_match(rescaled)
+
+
+def head_positions(model) -> tuple[list[int], object]:
+    """Records the (row, token) positions of every LM-head call: the leading dims of its [*, V] output."""
+    seen: list[int] = []
+    handle = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: seen.append(out.numel() // out.shape[-1]))
+    return seen, handle
+
+
+@pytest.mark.numerics
+def test_token_chunks_bound_the_logits_and_keep_values_and_gradients():
+    """chunk_tokens=3 on 2-row chunks runs the head on 2 x 1 positions at a time (never more than 3), also when
+    the backward pass recomputes a chunk; log-probs and gradients equal whole-row chunks to float rounding."""
+    torch.manual_seed(0)
+    model, tok = TinyModel(arch="qwen3", config=SMALL).load()
+    model.eval()
+    ids, mask = left_padded_batch(len(tok))
+    C, temperature = 5, 0.7
+    results = {}
+    for chunk_tokens in (None, 3):
+        model.zero_grad()
+        seen, handle = head_positions(model)
+        logp, entropy = token_logprobs(model, ids, mask, C, temperature, chunk_rows=2, chunk_tokens=chunk_tokens)
+        weights = torch.linspace(-1, 1, logp.numel()).view_as(logp)
+        (logp * weights).sum().backward()
+        handle.remove()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[chunk_tokens] = (logp.detach(), entropy, grads, seen)
+    whole, chunked = results[None], results[3]
+    # rows 0-1 then row 2, in the forward and again when backward recomputes them: 2 x 5 and 1 x 5 positions ...
+    assert sorted(whole[3]) == [5, 5, 10, 10]
+    # ... or, bounded to 3 positions, rows 0-1 one column at a time (5 x 2 positions), row 2 three at a time (3, 2)
+    assert sorted(chunked[3]) == sorted([2] * 5 * 2 + [3, 2] * 2)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    scale = logit_scale(logits, temperature)
+    assert_rounding_close(chunked[0], whole[0], scale=scale, units=16)
+    assert_rounding_close(chunked[1], whole[1], scale=scale, units=16)
+    assert_rounding_close(chunked[2], whole[2], scale=whole[2].abs().max().item(), units=64)
+
+
+def test_token_chunks_as_wide_as_the_completion_are_the_row_chunks_themselves():
+    """A bound every chunk fits in (2 rows x 5 tokens <= 10) computes exactly today's chunks: bitwise equal (the
+    same operations on the same shapes in one process)."""
+    torch.manual_seed(0)
+    model, tok = TinyModel(arch="qwen3", config=SMALL).load()
+    model.eval()
+    ids, mask = left_padded_batch(len(tok))
+    with torch.no_grad():
+        rows_only, _ = token_logprobs(model, ids, mask, 5, 1.0, chunk_rows=2)
+        bounded, _ = token_logprobs(model, ids, mask, 5, 1.0, chunk_rows=2, chunk_tokens=10)
+    assert torch.equal(rows_only, bounded)

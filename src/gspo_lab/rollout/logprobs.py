@@ -4,8 +4,12 @@ The decoder runs once over the batch (with `share_prompts`, once over each disti
 row's completion tokens, attending to its prompt's keys and values: the same maths, computed once per group
 instead of once per row; `shared_prompt_hidden`); the LM head, the architecture's own post-processing of the
 head's output (`head_transform`: a logit scale, Gemma-style soft-capping), the temperature and the log-softmax
-then run on row chunks of the completion positions only. In training each chunk is activation-checkpointed, so its [rows, C, V]
-logits are recomputed in the backward pass instead of kept: peak memory is one chunk's logits. Each row's
+then run on chunks of the completion positions only: `chunk_rows` rows at a time, and of those rows at most
+`chunk_tokens` (row, token) positions at a time (a chunk of r rows spans chunk_tokens // r completion columns),
+so the largest [*, V] tensor alive has at most `chunk_tokens` positions whatever the completion length (Qwen3's
+151,936-row vocabulary: 32 rows x 1,024 tokens in float32 is 19.9 GB per [rows, C, V] tensor, and a chunk holds
+about four of them; 8,192 positions bound each to 5 GB). In training each chunk is activation-checkpointed, so
+its logits are recomputed in the backward pass instead of kept: peak memory is one chunk's logits. Each row's
 log-softmax is the same `log_softmax` a full [B, T, V] computation (or generation) runs, so the values are
 identical to it, bit for bit (tested), not merely close. `check_logprobs_match` refuses, when a model loads, an
 architecture whose own logits this path does not reproduce.
@@ -134,6 +138,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_rows: int = 32,
     share_prompts: bool = False,
+    chunk_tokens: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """log π(y_t | x, y_<t) and the policy entropy at each of the last `completion_len` positions: log_softmax of
     the model's own logits / temperature, in whatever mode the model is in (RLModule keeps it in eval mode).
@@ -142,7 +147,9 @@ def token_logprobs(
     grad is enabled; entropy is detached). `share_prompts`: run each distinct prompt once
     (`shared_prompt_hidden`); routing recorders still get every row's experts, and replay gives each prompt the
     experts of its first row (the caller checks that its rows agree); ignored for a model with activation
-    checkpointing (a block recomputed with a KV cache would append to it twice).
+    checkpointing (a block recomputed with a KV cache would append to it twice). `chunk_tokens` bounds the
+    (row, token) positions of one chunk's logits (None: whole rows); a chunk that fits in it is the one a
+    row-only chunking computes, so values are the same bit for bit, and smaller chunks agree to float rounding.
     """
     decoder = decoder_of(model)
     head = model.get_output_embeddings()
@@ -161,13 +168,19 @@ def token_logprobs(
     targets = input_ids[:, -completion_len:]  # [B, C]
     logps, entropies = [], []
     for rows in range(0, input_ids.shape[0], chunk_rows):
-        h, y = hidden[rows : rows + chunk_rows], targets[rows : rows + chunk_rows]
-        if torch.is_grad_enabled():
-            logp, entropy = checkpoint(_chunk_logprobs, h, y, head, transform, temperature, use_reentrant=False)
-        else:
-            logp, entropy = _chunk_logprobs(h, y, head, transform, temperature)
-        logps.append(logp)
-        entropies.append(entropy)
+        h, y = hidden[rows : rows + chunk_rows], targets[rows : rows + chunk_rows]  # [r, C, H], [r, C]
+        width = completion_len if chunk_tokens is None else max(1, chunk_tokens // len(y))  # columns per chunk
+        row_logps, row_entropies = [], []
+        for column in range(0, completion_len, width):
+            piece = (h[:, column : column + width], y[:, column : column + width], head, transform, temperature)
+            if torch.is_grad_enabled():
+                logp, entropy = checkpoint(_chunk_logprobs, *piece, use_reentrant=False)
+            else:
+                logp, entropy = _chunk_logprobs(*piece)
+            row_logps.append(logp)
+            row_entropies.append(entropy)
+        logps.append(torch.cat(row_logps, 1) if len(row_logps) > 1 else row_logps[0])
+        entropies.append(torch.cat(row_entropies, 1) if len(row_entropies) > 1 else row_entropies[0])
     return torch.cat(logps), torch.cat(entropies).detach()
 
 
