@@ -131,6 +131,9 @@ class TrainConfig:
     Args:
         steps: RL steps (each: one rollout, then `minibatches` optimizer steps).
         minibatches: optimizer steps per rollout batch; the first is on-policy, the rest off-policy.
+        micro_batch_size: rows per forward and backward, gradients accumulated to the mini-batch (one optimizer
+            step per mini-batch as without); null runs each mini-batch whole. The update does not depend on it
+            (gspo_lab.objectives.micro_batches), only the memory and the float rounding.
         lr: learning rate, read by the optimizer config.
         grad_clip: max gradient norm; 0 disables clipping.
         shuffle_rewards: negative control: shuffle rewards across the rollout batch before advantages.
@@ -151,6 +154,7 @@ class TrainConfig:
 
     steps: int = 200
     minibatches: int = 4
+    micro_batch_size: int | None = None
     lr: float = 3e-5
     grad_clip: float = 1.0
     shuffle_rewards: bool = False
@@ -169,6 +173,8 @@ class TrainConfig:
                     "max_consecutive_skips"):
             _positive_int(f"train.{key}", getattr(self, key))
         _positive_int("train.eval_every", self.eval_every, minimum=0)
+        if self.micro_batch_size is not None:
+            _positive_int("train.micro_batch_size", self.micro_batch_size)
         _require(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, "train.lr", self.lr,
                  "must be a finite number > 0")
         _require(isinstance(self.grad_clip, (int, float)) and self.grad_clip >= 0, "train.grad_clip", self.grad_clip,

@@ -38,6 +38,7 @@ from gspo_lab.eval_sets import EvalPlan, SetSpec
 from gspo_lab.evaluation import HELDOUT, EvalSettings
 from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective
+from gspo_lab.objectives import micro_batches
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards
 from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, token_logprobs
@@ -223,8 +224,9 @@ class RLModule(RolloutCollection, L.LightningModule):
         skipped = 0
         for rows in torch.randperm(len(batch.rewards)).chunk(self.train_cfg.minibatches):
             minibatch = batch.rows(rows.to(self.device))
-            out, entropy = self.forward_backward(minibatch)
-            if out is None:
+            metrics = self.accumulate(minibatch)
+            if metrics is None:
+                optimizer.zero_grad()  # a micro-batch before the non-finite one may have left gradients
                 skipped += self.skip_update("non-finite loss")
                 continue
             grad_norm = self.grad_norm()
@@ -238,11 +240,7 @@ class RLModule(RolloutCollection, L.LightningModule):
                 torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.train_cfg.grad_clip, grad_norm)
             optimizer.step()
             optimizer.zero_grad()
-            collected.append({
-                **{k: v.item() for k, v in out.metrics.items()},
-                "entropy": masked_mean(entropy, minibatch.loss_mask.to(entropy.dtype)).item(),
-                "grad_norm": grad_norm.item(),
-            })
+            collected.append({**metrics, "grad_norm": grad_norm.item()})
         metrics = combine(collected)
         metrics["train/skipped_updates"] = float(skipped)
         metrics.update(self.routing.diagnostics(batch, self.shared_logprobs))
@@ -250,9 +248,35 @@ class RLModule(RolloutCollection, L.LightningModule):
 
     # ---- pieces -------------------------------------------------------------------------------------------
 
-    def forward_backward(self, minibatch: RolloutBatch):
-        """Objective and gradient of one mini-batch; (None, None) on every rank when any rank's loss is
-        non-finite. Backward runs inside the replay context, so recomputed forwards replay too."""
+    def accumulate(self, minibatch: RolloutBatch) -> dict[str, float] | None:
+        """The mini-batch's gradient, accumulated over micro-batches of train.micro_batch_size rows, each loss
+        weighted by its share D_m / D of the aggregation's count (gspo_lab.objectives.micro_batches), and its
+        metrics; None when a loss was non-finite (on every rank)."""
+        count = len(minibatch.rewards)
+        slices = micro_batches.micro_slices(count, self.train_cfg.micro_batch_size)
+        split = len(slices) > 1
+        total = micro_batches.denominator(self.objective, minibatch.loss_mask).clamp(min=1) if split else None
+        keys, collected = None, []
+        for rows in slices:
+            micro = minibatch.rows(torch.arange(count, device=self.device)[rows]) if split else minibatch
+            share = micro_batches.denominator(self.objective, micro.loss_mask) / total if split else None
+            out, entropy = self.forward_backward(micro, share)
+            if out is None:
+                return None
+            mask = micro.loss_mask
+            keys = keys or [*out.metrics, "entropy"]
+            metrics = {**out.metrics, "entropy": masked_mean(entropy, mask.to(entropy.dtype))}
+            counts = [mask.sum(), mask.bool().any(-1).sum(), torch.ones(()) if share is None else share]
+            collected.append(torch.stack([v.detach().double().to(self.device) for v in
+                                          [*(metrics[k] for k in keys), *counts]]))  # [K + 3]
+        host = torch.stack(collected).cpu().tolist()  # one copy to the host per mini-batch, not one per metric
+        parts = [(dict(zip(keys, row[:-3])), *row[-3:]) for row in host]
+        return micro_batches.combine(self.objective, parts)
+
+    def forward_backward(self, minibatch: RolloutBatch, share: torch.Tensor | None = None):
+        """Objective and gradient of one (micro-)batch, its loss weighted by `share` (None: 1); (None, None) on every
+        rank when any rank's loss is non-finite. Backward runs inside the replay context, so recomputed forwards
+        replay too."""
         with self.routing.training(minibatch):
             logp, entropy = self.logprobs(minibatch, share_prompts=self.replay_allows_sharing(minibatch))
             try:
@@ -263,7 +287,7 @@ class RLModule(RolloutCollection, L.LightningModule):
                 out = None
             if self.trainer.strategy.reduce_boolean_decision(out is None, all=False):  # any rank -> all skip
                 return None, None
-            self.manual_backward(out.loss)
+            self.manual_backward(out.loss if share is None else out.loss * share.to(out.loss.dtype))
         return out, entropy
 
     def logprobs(self, batch: RolloutBatch, model: torch.nn.Module | None = None,

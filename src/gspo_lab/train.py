@@ -36,6 +36,7 @@ from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import ContextTooLong
 from gspo_lab.models.lora import apply_lora
 from gspo_lab.module import RLModule, TooManySkippedUpdates
+from gspo_lab.objectives.micro_batches import check_splittable
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
 from gspo_lab.rewards import build_rewards
@@ -98,6 +99,8 @@ def plan(cfg: DictConfig) -> Plan:
         parts["train"].check_against(parts["rollout"], trainer.world_size)
         parts["routing"].check_against(parts["rollout"])
         check_rollout_correction(parts["objective"], parts["rollout"])
+        if parts["train"].micro_batch_size is not None:
+            check_splittable(parts["objective"])
         check_model(model_source, parts["routing"], parts["rollout"], trainer)
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error

@@ -11,6 +11,10 @@ carries no data, so it must not shrink the loss).
 
 B counts the rows with at least one valid token. The token means run over the mini-batch the objective is
 given, which is one optimizer step here (TRL's dapo divides by the tokens of the whole accumulated batch).
+
+Each aggregation is a sum divided by a count that adds up over rows (`denominator(mask)`: valid tokens, valid
+rows, or valid rows x max_len), so a mini-batch split into micro-batches (train.micro_batch_size) gets exactly
+its loss back as Σ_m loss_m · denominator_m / denominator (gspo_lab.objectives.micro_batches).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ class SeqMeanTokenMean:
         per_sequence = masked_mean(per_token, batch.mask, dim=-1)  # [B]
         return masked_mean(per_sequence, batch.valid_rows.to(per_sequence.dtype))
 
+    def denominator(self, mask: Tensor) -> Tensor:
+        return valid_rows(mask)  # B
+
 
 @dataclass(frozen=True)
 class TokenMean:
@@ -37,6 +44,9 @@ class TokenMean:
 
     def __call__(self, per_token: Tensor, batch: MaskedBatch) -> Tensor:
         return masked_mean(per_token, batch.mask)  # Σ_i,t ℓ_i,t / Σ_i |y_i|
+
+    def denominator(self, mask: Tensor) -> Tensor:
+        return mask.bool().sum().double()  # Σ_i |y_i|
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,9 @@ class ConstantNormaliser:
         rows = batch.valid_rows.sum().clamp(min=1)
         return (per_token * batch.mask).sum() / (rows * width)  # Dr. GRPO: Σ_i,t terms / (B · T)
 
+    def denominator(self, mask: Tensor) -> Tensor:
+        return valid_rows(mask) * (self.max_len if self.max_len is not None else mask.shape[-1])  # B · T
+
 
 @dataclass(frozen=True)
 class SeqMeanTokenSum:
@@ -69,3 +82,11 @@ class SeqMeanTokenSum:
     def __call__(self, per_token: Tensor, batch: MaskedBatch) -> Tensor:
         per_sequence = (per_token * batch.mask).sum(-1)  # |y_i| · (1/|y_i|) Σ_t ℓ_i,t  [B]
         return masked_mean(per_sequence, batch.valid_rows.to(per_sequence.dtype))
+
+    def denominator(self, mask: Tensor) -> Tensor:
+        return valid_rows(mask)  # B
+
+
+def valid_rows(mask: Tensor) -> Tensor:
+    """Rows with at least one valid token (the B of every sequence mean), as a float64 count. mask [B, T] -> []"""
+    return mask.bool().any(-1).sum().double()

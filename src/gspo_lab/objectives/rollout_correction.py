@@ -30,11 +30,12 @@ def correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mod
     over = rho > cap
     weights = rho.clamp(max=cap) if mode.startswith("tis") else rho.masked_fill(over, 0.0)
     weights = weights.masked_fill(~valid, 0.0)
+    dtype = weights.dtype  # counts divided in the weights' dtype (float64 stays float64)
     if mode.endswith("_seq"):  # each sequence counted once
         rows = valid.any(-1)
-        fraction = (over[:, 0] & rows).sum() / rows.sum().clamp(min=1)
+        fraction = (over[:, 0] & rows).sum().to(dtype) / rows.sum().clamp(min=1).to(dtype)
     else:
-        fraction = (over & valid).sum() / valid.sum().clamp(min=1)
+        fraction = (over & valid).sum().to(dtype) / valid.sum().clamp(min=1).to(dtype)
     name = "is/capped_frac" if mode.startswith("tis") else "is/masked_frac"
     weight_mean = weights.sum() / valid.sum().clamp(min=1)
-    return weights, {"is/weight_mean": weight_mean, name: fraction.to(weights.dtype)}
+    return weights, {"is/weight_mean": weight_mean, name: fraction}
