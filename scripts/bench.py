@@ -8,6 +8,12 @@ run, same threads, same dtype).
     python scripts/bench.py objective.beta=0.04   # the KL penalty's reference policy: its forward and memory
     python scripts/bench.py objective.beta=0.04 model.lora.enabled=true   # LoRA: the reference is the base itself
 
+Peak memory is measured per phase of each timed step (the rollout: generation, old and reference log-probs,
+rewards, mismatch diagnostics; the updates: training forwards and backwards, optimizer steps, routing
+diagnostics): on CPU the process's peak resident set, reset at the start of each phase (Linux's
+/proc/self/clear_refs, then VmHWM); on a GPU torch.cuda's peak allocated memory, reset likewise. The medians over
+timed steps are printed.
+
 Model FLOPs per RL step count the matmuls of the active parameters (experts weighted by top-k / experts):
 2 N per token for each forward (generation, the old log-probs' forward unless they come from generation, the
 routing diagnostics' rows) and 6 N per token for each training forward+backward, over the padded [B, width]
@@ -17,10 +23,14 @@ tokens; attention score FLOPs are left out.
 from __future__ import annotations
 
 import argparse
+import functools
+import re
 import resource
 import statistics
 import tempfile
 import time
+from collections import defaultdict
+from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -28,6 +38,7 @@ from hydra.utils import instantiate
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.models.lora import apply_lora
+from gspo_lab.module import RLModule
 from gspo_lab.report.run import step_rows
 from gspo_lab.train import train
 
@@ -45,6 +56,43 @@ def matmul_rate(dtype: torch.dtype, device: str, size: int = 1024, seconds: floa
     if device == "cuda":
         torch.cuda.synchronize()
     return 2 * size**3 * count / (time.perf_counter() - started)
+
+
+class PhasePeaks:
+    """Peak memory of each call of the RLModule methods it wraps, in MiB: CUDA allocated on a GPU, else the
+    process's peak RSS, reset before each call (Linux; elsewhere the peak since start, said in the output)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.peaks: dict[str, list[float]] = defaultdict(list)
+        self.rises: dict[str, list[float]] = defaultdict(list)  # the peak above the memory at the phase's start
+        self.resettable = cuda or Path("/proc/self/clear_refs").exists()
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        elif self.resettable:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+
+    def read(self) -> float:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() / 2**20
+        status = Path("/proc/self/status")
+        if status.exists():
+            return int(re.search(r"VmHWM:\s+(\d+)", status.read_text()).group(1)) / 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def wrap(self, phase: str, method):
+        @functools.wraps(method)
+        def measured(module, *args, **kwargs):
+            self.reset()
+            start = self.read()  # right after a reset the peak is the current memory
+            try:
+                return method(module, *args, **kwargs)
+            finally:
+                self.peaks[phase].append(self.read())
+                self.rises[phase].append(self.peaks[phase][-1] - start)
+        return measured
 
 
 def active_parameters(model: torch.nn.Module) -> float:
@@ -84,7 +132,16 @@ def main() -> None:
         del model
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        train(cfg)
+        phases = PhasePeaks(device == "cuda")
+        wrapped = {"rollout": "collect_rollout", "updates": "update"}
+        originals = {name: getattr(RLModule, name) for name in wrapped.values()}
+        for phase, name in wrapped.items():
+            setattr(RLModule, name, phases.wrap(phase, originals[name]))
+        try:
+            train(cfg)
+        finally:
+            for name, method in originals.items():
+                setattr(RLModule, name, method)
         rows = step_rows(out, skip=2)
     median = {k: statistics.median(r[k] for r in rows) for k in
               ("time/generate_s", "time/old_logprobs_s", "time/update_s", "time/rollout_s", "rollout/width",
@@ -96,8 +153,8 @@ def main() -> None:
     old_forward = 0 if cfg.rollout.logprobs_from_generation else 2  # no second forward when generation gives them
     flops = (2 + old_forward + 2 * diagnostics_share + 6) * active * tokens  # generation, old, diagnostics, training
     rate = matmul_rate(dtype, device)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss / 1024
+    # the phases' peaks (resetting the peak also resets what getrusage reports), and the peak since the last phase
+    peak = max([phases.read(), *(p for peaks in phases.peaks.values() for p in peaks)])
     print(f"workload {args.workload}: {len(rows)} timed RL steps, {int(median['rollout/completions'])} completions x "
           f"{int(median['rollout/width'])} positions, {active / 1e6:.2f}M active parameters, {torch.get_num_threads()} threads")
     print(f"  seconds per RL step   {step:.4f}")
@@ -113,7 +170,14 @@ def main() -> None:
     print(f"  completion tokens/s   {median['throughput/tokens_per_s']:.0f}")
     print(f"  parameters            {parameter_mib:.1f} MiB; trained {sum(p.numel() for p in trainable) / 1e6:.2f}M, "
           f"their gradients and AdamW moments {trained_mib:.1f} MiB")
-    print(f"  peak memory           {peak:.0f} MiB ({'CUDA allocated' if device == 'cuda' else 'process RSS'})")
+    kind = "CUDA allocated" if device == "cuda" else "process RSS"
+    print(f"  peak memory           {peak:.0f} MiB ({kind}, the whole run)")
+    since = "" if phases.resettable else ", not resettable here: peak since start"
+    for phase in wrapped:
+        timed = phases.peaks[phase][2:] or phases.peaks[phase]  # the warm-up steps left out, as for the times
+        rise = phases.rises[phase][2:] or phases.rises[phase]
+        print(f"    {phase:<20}{statistics.median(timed):.0f} MiB, {statistics.median(rise):.0f} MiB above its start "
+              f"(medians over steps{since})")
     print(f"  matmul rate           {rate / 1e9:.1f} GFLOP/s ({dtype}, {device})")
     print(f"  model FLOPs per step  {flops / 1e9:.2f} GFLOP -> MFU {100 * flops / step / rate:.2f}%")
 
