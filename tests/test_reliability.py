@@ -207,7 +207,9 @@ def stop_after_three_steps(args, run_dir, signum, env=None) -> tuple[int, str]:
     return process.returncode, stderr
 
 
-@pytest.mark.parametrize("steps", [6, pytest.param(12, marks=pytest.mark.slow)])
+# the signal goes out once three steps are logged; a run with few steps left can finish before it lands when the
+# machine is loaded (seen with 6 steps: all 6 logged), so the rest of the run is long enough to be interrupted
+@pytest.mark.parametrize("steps", [20, pytest.param(24, marks=pytest.mark.slow)])
 def test_sigterm_stops_a_real_run_and_it_resumes_exactly(steps, uninterrupted, tmp_path):
     overrides, whole = uninterrupted(steps)
     stopped_dir = tmp_path / "stopped"
@@ -244,7 +246,7 @@ def timings(path) -> list[str]:
 
 @pytest.mark.slow
 def test_sigusr1_under_slurm_checkpoints_requeues_and_the_requeued_job_resumes_exactly(uninterrupted, tmp_path):
-    overrides, whole = uninterrupted(12)
+    overrides, whole = uninterrupted(24)
     job = slurm_job(tmp_path, "4242")
     run_dir = tmp_path / "slurm-4242"  # what the docs ask for: a run dir that survives the requeue
     returncode, stderr = stop_after_three_steps(overrides, run_dir, signal.SIGUSR1, job)
@@ -253,7 +255,7 @@ def test_sigusr1_under_slurm_checkpoints_requeues_and_the_requeued_job_resumes_e
     assert (run_dir / "checkpoints" / "last.ckpt").is_file() and (run_dir / "hpc_ckpt_1.ckpt").is_file()
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     before = timings(run_dir / "metrics.csv")
-    assert 3 <= len(before) < 12
+    assert 3 <= len(before) < 24
     requeued = run_cli(overrides + [f"hydra.run.dir={run_dir}"], tmp_path, job)  # the same command, no ckpt_path
     assert requeued.returncode == 0, requeued.stderr[-2000:]
     assert timings(run_dir / "metrics.csv")[: len(before)] == before  # kept: a restart would rewrite them
