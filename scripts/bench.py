@@ -171,7 +171,7 @@ def main() -> None:
     print(f"  parameters            {parameter_mib:.1f} MiB; trained {sum(p.numel() for p in trainable) / 1e6:.2f}M, "
           f"their gradients and AdamW moments {trained_mib:.1f} MiB")
     kind = "CUDA allocated" if device == "cuda" else "process RSS"
-    print(f"  peak memory           {peak:.0f} MiB ({kind}, the whole run)")
+    print(f"  peak memory           {peak:.0f} MiB ({kind}, the largest phase peak or after the last phase)")
     since = "" if phases.resettable else ", not resettable here: peak since start"
     for phase in wrapped:
         timed = phases.peaks[phase][2:] or phases.peaks[phase]  # the warm-up steps left out, as for the times

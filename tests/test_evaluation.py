@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import shutil
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 from safetensors.torch import load_file
 
 from gspo_lab.eval_cli import EvalError, check_tokenizer, evaluate_checkpoint, run_config, run_dir_of
@@ -216,3 +218,47 @@ def test_gspo_eval_reads_lora_adapters_on_the_base_their_run_builds(compose, fas
         assert result["metrics"][key] == pytest.approx(float(rows[-1][key]), abs=1e-9), key
     adapters = load_file(run / "final" / "adapter" / "adapter_model.safetensors")
     assert max(t.abs().max().item() for k, t in adapters.items() if "lora_B" in k) > 0  # trained (B starts at 0)
+
+
+def test_every_rank_reduces_the_same_keys_and_makes_the_same_generate_calls(evaluated, compose):
+    """Two ranks, a one-prompt set with two reward functions: rank 1 has no prompt of its own, yet pads its share
+    to rank 0's, so both make the same generate calls and report the same keys, and its padding counts nowhere."""
+    run, cfg = evaluated
+    model, tokenizer = load_pretrained(run / "final")
+    set_cfg = compose(EVAL + ["+eval.sets.one.reward=dapo_overlong", "+eval.sets.one.size=1"])
+    evaluator = build_eval(set_cfg, instantiate(set_cfg.task), instantiate(set_cfg.prompt)).evaluator(
+        tokenizer, set_cfg.rollout.max_new_tokens, [], set_cfg.seed)
+    calls, results = [], []
+    for rank in (0, 1):
+        counted = []
+        metrics, rows = evaluator.run(model, tokenizer, rank=rank, world=2, progress=counted.append)
+        calls.append(counted)
+        results.append((metrics, rows))
+    assert calls[0] == calls[1]  # the same generate calls, of the same sizes
+    (first, first_rows), (second, second_rows) = results
+    assert first.keys() == second.keys() and "eval/one/reward/soft_overlong_punishment/mean@4" in first
+    assert math.isnan(second["eval/one/greedy"])  # no prompt of its own: nothing counted (0 / 0)
+    assert not [r for r in second_rows if r["set"] == "one"]
+
+
+def test_gspo_eval_on_a_run_from_before_the_eval_group(evaluated, compose, tmp_path):
+    run, _ = evaluated
+    old = tmp_path / "old_run"
+    shutil.copytree(run, old)
+    config = OmegaConf.load(old / "config.yaml")
+    del config["eval"]
+    OmegaConf.save(config, old / "config.yaml")
+    result = evaluate_checkpoint(eval_config(compose, old, tmp_path / "eval", ["eval.n=2", "eval.k=[2]"]))
+    assert list(result["sets"]) == ["heldout"] and "eval/heldout/pass@2" in result["metrics"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("~eval.sets.heldout", "deleting a key is not supported"),
+    ("eval.temprature=0.5", "eval.temprature is not a key of the eval group"),
+    ("eval.k=4", "eval.k=4 is invalid: must be a list"),
+    ("eval.sets.heldout.size=true", "eval.sets.heldout.size=True is invalid"),
+])
+def test_gspo_eval_refuses_bad_overrides_naming_them(override, message, evaluated, compose, tmp_path):
+    run, _ = evaluated
+    with pytest.raises((EvalError, ValueError), match=message):
+        evaluate_checkpoint(eval_config(compose, run, tmp_path / "eval", [override]))

@@ -11,7 +11,8 @@ prompt, seed and generation settings apply, and the command line changes it (`ke
 a whole group such as task=countdown or eval=sampled); else the config is gspo-train's defaults plus the command
 line. Writes eval.json (metrics, settings, checkpoint, tokenizer) and samples.jsonl (every completion: prompt,
 completion, extracted answer, correct, rewards) to the Hydra run dir. The same checkpoint, seed and
-eval.batch_size give the numbers training logged at that step.
+eval.batch_size give the numbers a single-process training run logged at that step (under DDP each rank sampled
+its own share with seeds of its own rank).
 """
 
 from __future__ import annotations
@@ -57,8 +58,13 @@ def run_config(cfg: DictConfig, run_dir: Path | None, overrides: list[str]) -> D
         return cfg
     base = OmegaConf.load(run_dir / "config.yaml")
     with open_dict(base):
+        if "eval" not in base:  # a run from before the eval group evaluated what eval=default does
+            base.eval = load_option("eval", "default", "gspo-eval")
         for override in overrides:
-            key, _, value = override.lstrip("+~").partition("=")
+            if override.startswith("~"):
+                raise EvalError(f"{override}: deleting a key is not supported by gspo-eval on a run dir; set it "
+                                "instead (e.g. eval.sets={heldout: {}} to keep one set)")
+            key, _, value = override.lstrip("+").partition("=")
             if key in TOOL_KEYS or key == "ckpt_path":
                 continue
             if "." not in key and (Path(CONFIG_DIR) / key).is_dir():  # group=option: the whole group

@@ -15,7 +15,7 @@ is one whole, a mapping without one changes keys of the run's. `size` keeps the 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from hydra.utils import instantiate
@@ -68,7 +68,14 @@ def build_eval(cfg: DictConfig, task: Task, prompt: PromptFormat, on_error: str 
     """The `eval` group checked and built against the run's task (`cfg.task`, instantiated as `task`) and prompt;
     raises ValueError naming the key, the value and the rule."""
     group = cfg.get("eval") or OmegaConf.create({"sets": {HELDOUT: {}}})  # a config from before the eval group
-    settings = EvalSettings(**{k: v for k, v in OmegaConf.to_container(group, resolve=True).items() if k != "sets"})
+    values = {k: v for k, v in OmegaConf.to_container(group, resolve=True).items() if k != "sets"}
+    known = [f.name for f in fields(EvalSettings)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"eval.{unknown[0]} is not a key of the eval group (sets, {', '.join(known)})")
+    if not isinstance(values.get("k", []), list):
+        raise ValueError(f"eval.k={values['k']!r} is invalid: must be a list of integers, e.g. [1, 4]")
+    settings = EvalSettings(**values)
     sets = group.get("sets")
     if not isinstance(sets, DictConfig) or not sets:
         raise ValueError(f"eval.sets={sets!r} is invalid: must map at least one set name to its settings (heldout: "
@@ -77,13 +84,13 @@ def build_eval(cfg: DictConfig, task: Task, prompt: PromptFormat, on_error: str 
     for name, spec in sets.items():
         where = f"eval.sets.{name}"
         if not SET_NAME.fullmatch(str(name)):
-            raise ValueError(f"{where}: the name {name!r} is invalid: metric names eval/<set>/... take letters, digits, "
-                             "'_', '.' and '-'")
+            raise ValueError(f"{where}: the name {name!r} is invalid: metric names eval/<set>/... take letters, "
+                             "digits, '_', '.' and '-'")
         spec = spec or OmegaConf.create({})
         if not isinstance(spec, DictConfig) or set(spec) - set(SET_KEYS):
             raise ValueError(f"{where}={spec!r} is invalid: must be a mapping with keys among {list(SET_KEYS)}")
         size = spec.get("size")
-        if size is not None and not (isinstance(size, int) and size >= 1):
+        if size is not None and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
             raise ValueError(f"{where}.size={size!r} is invalid: must be an integer >= 1, or null for all")
         set_task = task if spec.get("task") is None else instantiate(option("task", spec.task, cfg, where))
         set_prompt = prompt if spec.get("prompt") is None else instantiate(option("prompt", spec.prompt, cfg, where))

@@ -10,7 +10,7 @@ Metric names mirror verl's validation (mean@n, maj@k) and lighteval's / lm-eval'
 greedy, mean@<n>, pass@<k>, maj@<k>, length (mean completion tokens of the samples, else of greedy), and
 reward/<function>/{greedy,mean@<n>} where a set has several reward functions; the time each set took is
 time/eval/<set>_s, the whole evaluation's time/eval_s. Sampling draws from its own seed
-stream (the run's seed, the set's name and the batch: `stream_seed`), so every evaluation of a run samples the
+stream (the run's seed, the set's name, the batch and the rank: `stream_seed`), so every evaluation of a run samples the
 same prompts with the same seeds, and the training's random state is left as it was.
 """
 
@@ -140,6 +140,11 @@ class Decoded:
     answers: list[str | None]
     rewards: dict[str, list[float]]  # function -> reward of each completion (NaN where it did not apply)
 
+    def first(self, count: int) -> Decoded:
+        """The first `count` completions (a rank's own, without the padding of its share)."""
+        return Decoded(self.texts[:count], self.lengths[:count], self.correct[:count], self.answers[:count],
+                       {name: values[:count] for name, values in self.rewards.items()})
+
 
 class Evaluator:
     """Evaluates a model on every set: metrics (summed on this rank, reduced by `reduce_sum`, then divided) and
@@ -163,7 +168,10 @@ class Evaluator:
             reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, keep: int | None = None,
             progress: Callable[[int], None] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Metrics of every set and the sample rows of the first `keep` prompts of each (all: None) on this rank.
-        Every rank scores the prompts rank, rank + world, ...; `progress(n)` is told of each n completions."""
+        Every rank scores the prompts rank, rank + world, ...; with several ranks each share is padded (with a
+        repeat of a prompt, left out of every count and row) to the largest share, so every rank makes the same
+        generate calls, as a sharded model's collectives need, and reduces the same keys. `progress(n)` is told
+        of each n completions."""
         metrics: dict[str, float] = {}
         rows: list[dict[str, Any]] = []
         started = time.perf_counter()
@@ -171,10 +179,14 @@ class Evaluator:
             began = time.perf_counter()
             indices = list(range(rank, len(eval_set.examples), world))
             examples = [eval_set.examples[i] for i in indices]
+            share = -(-len(eval_set.examples) // world)  # the largest rank's share
+            padded = examples + [eval_set.examples[0]] * (share - len(examples)) if world > 1 else examples
             n = self.settings.n
-            greedy = self._decode(model, tokenizer, eval_set, examples, 1, True, rank, progress) \
+            greedy = self._decode(model, tokenizer, eval_set, padded, 1, True, rank, progress) \
                 if self.settings.greedy else None
-            sampled = self._decode(model, tokenizer, eval_set, examples, n, False, rank, progress) if n else None
+            sampled = self._decode(model, tokenizer, eval_set, padded, n, False, rank, progress) if n else None
+            greedy = greedy.first(len(examples)) if greedy is not None else None
+            sampled = sampled.first(len(examples) * n) if sampled is not None else None
             sums = self._sums(eval_set, greedy, sampled, len(examples))
             keys = sorted(sums)
             totals = reduce_sum(torch.tensor([sums[key] for key in keys], dtype=torch.float64))
@@ -242,8 +254,8 @@ class Evaluator:
         for decoded, suffix in ((greedy, "greedy"), (sampled, f"mean@{self.settings.n}")):
             if decoded is None or not several:
                 continue
-            for name, values in decoded.rewards.items():
-                applied = [v for v in values if not math.isnan(v)]
+            for name in (f.name for f in eval_set.rewards.functions):  # every key on every rank, prompts or none
+                applied = [v for v in decoded.rewards.get(name, []) if not math.isnan(v)]
                 sums[f"reward/{name}/{suffix}"] = float(sum(applied))
                 sums[f"reward/{name}/{suffix}#"] = float(len(applied))
         return sums

@@ -348,8 +348,8 @@ class RLModule(RolloutCollection, L.LightningModule):
     def evaluate(self, step: int) -> dict[str, float]:
         """Every evaluation set's metrics (gspo_lab.evaluation; each rank scores its share of the prompts) and
         eval/accuracy, the heldout set's greedy accuracy. Sampling draws from the evaluation's own seeds, and the
-        training's random state is restored after it. Rank 0 keeps the first `eval.samples` prompts of its share
-        of each set in samples/step_<step>.jsonl (and a wandb Table)."""
+        training's random state is restored after it. Rank 0 keeps its prompts among the first `eval.samples` of each
+        set in samples/step_<step>.jsonl (and a wandb Table)."""
         cuda = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             metrics, rows = self.evaluator.run(

@@ -123,3 +123,15 @@ def test_token_chunks_as_wide_as_the_completion_are_the_row_chunks_themselves():
         rows_only, _ = token_logprobs(model, ids, mask, 5, 1.0, chunk_rows=2)
         bounded, _ = token_logprobs(model, ids, mask, 5, 1.0, chunk_rows=2, chunk_tokens=10)
     assert torch.equal(rows_only, bounded)
+
+
+def test_the_token_bound_holds_below_the_row_chunk():
+    """chunk_tokens=1 with 2-row chunks: one position per head call, the rows split too."""
+    torch.manual_seed(0)
+    model, tok = TinyModel(arch="qwen3", config=SMALL).load()
+    ids, mask = left_padded_batch(len(tok))
+    seen, handle = head_positions(model)
+    with torch.no_grad():
+        token_logprobs(model, ids, mask, 5, 1.0, chunk_rows=2, chunk_tokens=1)
+    handle.remove()
+    assert seen == [1] * 15  # 3 rows x 5 tokens

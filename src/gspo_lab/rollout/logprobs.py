@@ -166,6 +166,8 @@ def token_logprobs(
         ).last_hidden_state  # [B, P + C, H]
         hidden = hidden[:, -completion_len - 1 : -1]  # position t predicts token t + 1  [B, C, H]
     targets = input_ids[:, -completion_len:]  # [B, C]
+    if chunk_tokens is not None:
+        chunk_rows = min(chunk_rows, chunk_tokens)  # a chunk of one column still holds one position per row
     logps, entropies = [], []
     for rows in range(0, input_ids.shape[0], chunk_rows):
         h, y = hidden[rows : rows + chunk_rows], targets[rows : rows + chunk_rows]  # [r, C, H], [r, C]
