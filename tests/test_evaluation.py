@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import random
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -199,6 +200,10 @@ def test_answers_that_maj_at_k_votes_on():
     countdown = Countdown()
     assert countdown.answer_of("(20-18)*5") == countdown.answer_of("5*2") == "10"
     assert countdown.answer_of("5*") is None
+    example = countdown.sample(random.Random(0))  # numbers it may use, each as often as given
+    a, b = example.meta["numbers"][:2]
+    assert countdown.answer_of(f"{a}+{b}", example) == str(a + b)
+    assert countdown.answer_of(f"{a}+{a}+{a}+{a}+{a}", example) is None  # a number used more often than given
     from gspo_lab.rewards.functions import math_answer
 
     assert math_answer(r"so $\boxed{\frac{1}{2}}$") == math_answer(r"$\boxed{0.5}$") is not None
@@ -262,3 +267,11 @@ def test_gspo_eval_refuses_bad_overrides_naming_them(override, message, evaluate
     run, _ = evaluated
     with pytest.raises((EvalError, ValueError), match=message):
         evaluate_checkpoint(eval_config(compose, run, tmp_path / "eval", [override]))
+
+
+def test_summary_json_keeps_every_sets_last_evaluation(evaluated):
+    run, _ = evaluated
+    summary = json.loads((run / "summary.json").read_text())
+    final = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("eval/sub/greedy")][-1]
+    assert summary["eval/final"]["eval/sub/pass@2"] == float(final["eval/sub/pass@2"])
+    assert summary["eval/final"]["eval/heldout/greedy"] == summary["eval/accuracy_after"]

@@ -218,7 +218,7 @@ class Evaluator:
             decoded.texts += out.texts
             decoded.lengths += out.completion_mask.sum(-1).tolist()
             decoded.correct += [bool(eval_set.task.is_correct(e, t)) for e, t in zip(chunk, out.texts)]
-            decoded.answers += [eval_set.task.answer_of(t) for t in out.texts]
+            decoded.answers += [eval_set.task.answer_of(t, e) for e, t in zip(chunk, out.texts)]
             if eval_set.rewards is not None:
                 scores = eval_set.rewards.score(*reward_inputs(chunk, out),
                                                 where=lambda i: f"eval set {eval_set.name}, completion {i}")

@@ -1,4 +1,5 @@
-"""The end-of-run summary: reward and held-out accuracy before and after, clip fraction, time."""
+"""The end-of-run summary: reward and held-out accuracy before and after, clip fraction, time, and every
+evaluation set's metrics at the last evaluation."""
 
 from __future__ import annotations
 
@@ -27,7 +28,20 @@ def summarise(history: list[dict[str, float]], seconds: float, algorithm: str | 
         "clip/frac_mean": _mean(clip),
         "seconds": round(seconds, 1),
         "run_dir": run_dir,
+        "eval/final": final_evaluation(history),
     }
+
+
+def final_evaluation(history: list[dict[str, float]]) -> dict[str, float]:
+    """Each eval/<set>/<metric> at the last evaluation that logged it.
+
+    >>> final_evaluation([{"eval/heldout/greedy": 0.2}, {"loss/total": 1.0}, {"eval/heldout/greedy": 0.5}])
+    {'eval/heldout/greedy': 0.5}
+    """
+    final = {}
+    for row in history:
+        final.update({k: v for k, v in row.items() if k.startswith("eval/") and k.count("/") >= 2})
+    return final
 
 
 def format_summary(summary: dict) -> str:
@@ -37,5 +51,19 @@ def format_summary(summary: dict) -> str:
         f"{summary['reward/mean_last']:.3f}",
         f"  held-out accuracy (greedy): {summary['eval/accuracy_before']:.3f} -> {summary['eval/accuracy_after']:.3f}",
         f"  clip/frac (mean over steps): {summary['clip/frac_mean']:.4f}",
+        *evaluation_lines(summary.get("eval/final", {})),
         f"  outputs: {summary['run_dir']}",
     ])
+
+
+def evaluation_lines(final: dict[str, float]) -> list[str]:
+    """One line per evaluation set with its last evaluation's metrics, when there is more to say than the
+    heldout set's greedy accuracy (printed above)."""
+    by_set: dict[str, list[str]] = {}
+    for key, value in final.items():
+        _, name, metric = key.split("/", 2)
+        if metric != "length":
+            by_set.setdefault(name, []).append(f"{metric} {value:.3f}")
+    if set(by_set) <= {"heldout"} and all(item.startswith("greedy ") for item in by_set.get("heldout", [])):
+        return []  # the default evaluation: the accuracy line says it all
+    return [f"  eval {name} (last evaluation): " + ", ".join(items) for name, items in by_set.items()]

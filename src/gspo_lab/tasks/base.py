@@ -64,9 +64,9 @@ class Task(ABC):
     def is_well_formed(self, example: Example, completion: str) -> bool:
         """Whether the completion has the answer's format; must not raise on any string."""
 
-    def answer_of(self, completion: str) -> str | None:
-        """The answer a completion gives, as maj@k compares them (gspo_lab.evaluation): by default the stripped
-        text, None when empty. Tasks whose checker extracts an answer override it."""
+    def answer_of(self, completion: str, example: Example | None = None) -> str | None:
+        """The answer a completion of `example` gives, as maj@k compares them (gspo_lab.evaluation): by default the
+        stripped text, None when empty. Tasks whose checker extracts an answer override it."""
         return completion.strip() or None
 
     def split_of(self, prompt: str) -> str:

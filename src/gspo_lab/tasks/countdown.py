@@ -179,12 +179,17 @@ class Countdown(Task):
             return None
         return value
 
-    def answer_of(self, completion: str) -> str | None:
-        """The expression's exact value (different expressions of the same value vote together), else None."""
-        try:
-            return str(parse_expression(completion)[0])
-        except ParseError:
-            return None
+    def answer_of(self, completion: str, example: Example | None = None) -> str | None:
+        """The expression's exact value (different expressions of the same value vote together); None when it does
+        not parse or, given the example, uses a number more often than the example gives it (the checker's rule)."""
+        if example is not None:
+            value = self._evaluate(example, completion)
+        else:
+            try:
+                value = parse_expression(completion)[0]
+            except ParseError:
+                value = None
+        return None if value is None else str(value)
 
     def is_correct(self, example: Example, completion: str) -> bool:
         value = self._evaluate(example, completion)

@@ -156,12 +156,12 @@ class HFDataset(JsonlTask):
     def demonstration(self, example: Example) -> str:
         return example.answer if example.solution is None else example.solution
 
-    def answer_of(self, completion: str) -> str | None:
+    def answer_of(self, completion: str, example: Example | None = None) -> str | None:
         """What the checker reads: the whole text (exact), the last number (numeric), or math-verify's answer."""
         from gspo_lab.rewards.functions import last_number, math_answer
 
         if self.match == "exact":
-            return super().answer_of(completion)
+            return super().answer_of(completion, example)
         if self.match == "numeric":
             number = last_number(completion)
             return None if number is None else repr(number)

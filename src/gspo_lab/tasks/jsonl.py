@@ -122,9 +122,9 @@ class JsonlTask(Task):
     def demonstration(self, example: Example) -> str:
         return example.answer
 
-    def answer_of(self, completion: str) -> str | None:
+    def answer_of(self, completion: str, example: Example | None = None) -> str | None:
         if self.match == "exact":
-            return super().answer_of(completion)
+            return super().answer_of(completion, example)
         number = _number(completion)
         return None if number is None else repr(number)
 
