@@ -9,9 +9,9 @@ scores eval/accuracy); reward functions, when a set names them, are scored and r
 Metric names mirror verl's validation (mean@n, maj@k) and lighteval's / lm-eval's pass@k, under eval/<set>/:
 greedy, mean@<n>, pass@<k>, maj@<k>, length (mean completion tokens of the samples, else of greedy), and
 reward/<function>/{greedy,mean@<n>} where a set has several reward functions; the time each set took is
-time/eval/<set>_s, the whole evaluation's time/eval_s. Sampling draws from its own seed
-stream (the run's seed, the set's name, the batch and the rank: `stream_seed`), so every evaluation of a run samples the
-same prompts with the same seeds, and the training's random state is left as it was.
+time/eval/<set>_s, the whole evaluation's time/eval_s. Sampling draws from its own seed stream (the run's seed,
+the set's name, the batch and the rank: `stream_seed`), so every evaluation of a run samples the same prompts
+with the same seeds, and the training's random state is left as it was.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ def denominator(objective, mask: Tensor) -> Tensor:
     count = getattr(objective.aggregation, "denominator", None)
     if count is None:
         raise ValueError(f"train.micro_batch_size: the aggregation {type(objective.aggregation).__name__} of "
-                         f"{objective.label} has no denominator(mask), the count its sum is divided by, so a mini-batch "
-                         "cannot be split into micro-batches exactly; add one, or set train.micro_batch_size=null")
+                         f"{objective.label} has no denominator(mask), the count its sum is divided by, so a "
+                         "mini-batch cannot be split into micro-batches exactly; add one, or set "
+                         "train.micro_batch_size=null")
     return count(mask)
 
 
