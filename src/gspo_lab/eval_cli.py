@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.eval_sets import build_eval, load_option
+from gspo_lab.evaluation import write_jsonl
 from gspo_lab.export import policy_of_checkpoint
 from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import load_pretrained
@@ -148,15 +149,13 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
             metrics, rows = evaluator.run(model, tokenizer, progress=bar.update)
     finally:
         plan.close()
-    if "eval/heldout/greedy" in metrics:
-        metrics["eval/accuracy"] = metrics["eval/heldout/greedy"]
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"checkpoint": str(checkpoint), "tokenizer": source, "seed": cfg.seed,
               "eval": OmegaConf.to_container(cfg.eval, resolve=True), "metrics": metrics,
               "sets": {s.name: len(s.examples) for s in evaluator.sets}}
     (out / "eval.json").write_text(json.dumps(result, indent=2))
-    (out / "samples.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_jsonl(out / "samples.jsonl", rows)
     return result
 
 

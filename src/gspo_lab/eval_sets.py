@@ -33,7 +33,7 @@ SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 @dataclass
 class SetSpec:
-    """One set before a tokenizer exists: what `bind` renders with."""
+    """One set before a tokenizer exists; `EvalPlan.evaluator` binds its prompt format to the tokenizer."""
 
     name: str
     task: Task

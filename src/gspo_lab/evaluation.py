@@ -16,10 +16,12 @@ with the same seeds, and the training's random state is left as it was.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -155,7 +157,7 @@ class Evaluator:
         settings: how to decode (`EvalSettings`).
         max_new_tokens: the budget when settings leave it unset (rollout.max_new_tokens).
         stop_token_ids: rollout.stop_token_ids.
-        seed: the run's seed; with the set's name and the batch, it seeds each batch's sampling.
+        seed: the run's seed; with the set's name, the batch and the rank, it seeds each batch's sampling.
     """
 
     def __init__(self, sets: list[EvalSet], settings: EvalSettings, max_new_tokens: int,
@@ -167,7 +169,8 @@ class Evaluator:
     def run(self, model, tokenizer, rank: int = 0, world: int = 1,
             reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, keep: int | None = None,
             progress: Callable[[int], None] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """Metrics of every set and the sample rows of the first `keep` prompts of each (all: None) on this rank.
+        """Metrics of every set (and eval/accuracy, the heldout set's greedy accuracy) and the sample rows of the
+        first `keep` prompts of each (all: None) on this rank.
         Every rank scores the prompts rank, rank + world, ...; with several ranks each share is padded (with a
         repeat of a prompt, left out of every count and row) to the largest share, so every rank makes the same
         generate calls, as a sharded model's collectives need, and reduces the same keys. `progress(n)` is told
@@ -198,6 +201,8 @@ class Evaluator:
             metrics[f"time/eval/{eval_set.name}_s"] = time.perf_counter() - began
             kept = [j for j, i in enumerate(indices) if keep is None or i < keep]
             rows += self._rows(eval_set, indices, examples, kept, greedy, sampled)
+        if f"eval/{HELDOUT}/greedy" in metrics:  # the column every run has logged since the start
+            metrics["eval/accuracy"] = metrics[f"eval/{HELDOUT}/greedy"]
         metrics["time/eval_s"] = time.perf_counter() - started
         return metrics, rows
 
@@ -247,7 +252,6 @@ class Evaluator:
                 sums[f"mean@{n}"] += sum(correct) / n
                 for k in self.settings.k:
                     sums[f"pass@{k}"] += pass_at_k(n, sum(correct), k)
-                for k in self.settings.k:
                     # maj@k: the majority answer among the first k samples, correct if a sample giving it is
                     sums[f"maj@{k}"] += maj_at_k(answers, {a for a, c in zip(answers[:k], correct) if c}, k)
             sums["length"] = float(sum(sampled.lengths)) / n
@@ -279,3 +283,8 @@ class Evaluator:
                         "rewards": {name: values[c] for name, values in decoded.rewards.items()},
                     })
         return rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Sample rows as JSON lines (samples/step_<k>.jsonl of a run, gspo-eval's samples.jsonl)."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))

@@ -20,7 +20,6 @@ or another algorithm on the same seed, draws the same prompts and (while the wei
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from torch.utils.data import DataLoader
 
 from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
 from gspo_lab.eval_sets import EvalPlan, SetSpec
-from gspo_lab.evaluation import HELDOUT, EvalSettings
+from gspo_lab.evaluation import HELDOUT, EvalSettings, write_jsonl
 from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective
 from gspo_lab.objectives import micro_batches
@@ -356,8 +355,6 @@ class RLModule(RolloutCollection, L.LightningModule):
                 self.model, self.tokenizer, self.global_rank, self.trainer.world_size,
                 reduce_sum=lambda t: self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").cpu(),
                 keep=self.evaluator.settings.samples)
-        if f"eval/{HELDOUT}/greedy" in metrics:
-            metrics["eval/accuracy"] = metrics[f"eval/{HELDOUT}/greedy"]
         if rows and self.global_rank == 0:
             self.write_samples(step, rows)
         return metrics
@@ -366,7 +363,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         """samples/step_<step>.jsonl in the run dir, and one wandb Table per set when the wandb logger is on."""
         folder = Path(self.trainer.default_root_dir) / "samples"
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"step_{step}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        write_jsonl(folder / f"step_{step}.jsonl", rows)
         for logger in self.loggers:
             if isinstance(logger, WandbLogger):
                 columns = ["set", "index", "prompt", "reference", "mode", "sample", "completion", "answer", "correct"]

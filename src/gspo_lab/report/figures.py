@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from gspo_lab.report.run import series  # noqa: E402
+from gspo_lab.report.run import is_set_metric, series  # noqa: E402
 from gspo_lab.report.runs import Study  # noqa: E402
 from gspo_lab.report.stats import band, performance_profile  # noqa: E402
 from gspo_lab.report.tables import scores  # noqa: E402
@@ -29,7 +29,7 @@ PROFILE = "performance_profile.png"
 def eval_set_curves(study: Study, metric: str) -> dict[str, tuple]:
     """One curve per evaluation set the runs logged (eval_<set>.png): the metric gspo-report --metric names
     (eval/<set>/pass@1 -> pass@1 on every set), or greedy accuracy."""
-    suffix = metric.split("/", 2)[2] if metric.startswith("eval/") and metric.count("/") >= 2 else "greedy"
+    suffix = metric.split("/", 2)[2] if is_set_metric(metric) else "greedy"
     sets = dict.fromkeys(name for run in study.complete for name in run.eval_sets())
     return {f"eval_{name}.png": (f"eval/{name}/{suffix}", f"eval/{name}/{suffix}", False, 1) for name in sets}
 COLLAPSED = {"marker": "x", "markersize": 9, "markeredgewidth": 2, "linestyle": "none"}

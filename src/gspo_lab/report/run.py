@@ -34,6 +34,15 @@ def step_rows(run_dir: str | Path, skip: int = 0) -> list[dict[str, float]]:
     return [r for r in read_metrics(run_dir) if not math.isnan(r.get("time/update_s", math.nan))][skip:]
 
 
+def is_set_metric(key: str) -> bool:
+    """Whether `key` is an evaluation set's metric, eval/<set>/<metric> (eval/accuracy is not).
+
+    >>> is_set_metric("eval/heldout/pass@4"), is_set_metric("eval/accuracy")
+    (True, False)
+    """
+    return key.startswith("eval/") and key.count("/") >= 2
+
+
 def series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of `key` where it was logged."""
     points = [(r["step"], r[key]) for r in rows if not math.isnan(r.get(key, math.nan))]

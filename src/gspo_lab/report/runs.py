@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from gspo_lab.report.run import read_metrics, series
+from gspo_lab.report.run import is_set_metric, read_metrics, series
 from gspo_lab.report.stats import accuracy_noise
 
 NUMBER = re.compile(r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)")
@@ -58,10 +58,15 @@ class Run:
             return values[-1] if values else math.nan
         return sum(values) / len(values) if values else math.nan
 
+    @cached_property
+    def eval_metrics(self) -> list[str]:
+        """The evaluation sets' metrics the run logged: metrics.csv's eval/<set>/<metric> columns (every row
+        holds every column)."""
+        return [key for key in (self.rows[0] if self.rows else {}) if is_set_metric(key)]
+
     def eval_sets(self) -> list[str]:
-        """The evaluation sets the run logged (eval/<set>/<metric> columns), in the order first logged."""
-        keys = (key for row in self.rows[:50] for key in row)
-        return list(dict.fromkeys(key.split("/")[1] for key in keys if key.startswith("eval/") and key.count("/") >= 2))
+        """The evaluation sets the run logged, in column order."""
+        return list(dict.fromkeys(key.split("/")[1] for key in self.eval_metrics))
 
     def collapsed(self, drop: float) -> bool | None:
         """The final held-out accuracy is below the run's own best by more than both `drop` and the binomial

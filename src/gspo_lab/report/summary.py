@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from gspo_lab.report.run import series
+from gspo_lab.report.run import is_set_metric, series
 
 
 def _mean(values: list[float]) -> float:
@@ -40,7 +40,7 @@ def final_evaluation(history: list[dict[str, float]]) -> dict[str, float]:
     """
     final = {}
     for row in history:
-        final.update({k: v for k, v in row.items() if k.startswith("eval/") and k.count("/") >= 2})
+        final.update({k: v for k, v in row.items() if is_set_metric(k)})
     return final
 
 

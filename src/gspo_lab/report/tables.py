@@ -44,8 +44,7 @@ def statistics(study: Study, seed: int, metric: str = HEADLINE[0]) -> pd.DataFra
     """One row per (metric, setting) that has a value: seeds, mean and IQM, each with its interval. The
     routing and mismatch metrics appear where some run logged them, every evaluation set's metrics (eval/*,
     their last evaluation) where logged."""
-    evaluated = sorted({key for run in study.complete for row in run.rows[:50] for key in row
-                        if key.startswith("eval/") and key.count("/") >= 2})
+    evaluated = sorted({key for run in study.complete for key in run.eval_metrics})
     rows = []
     for name in dict.fromkeys(headline(metric) + PER_STEP + tuple(evaluated)):
         for setting in study.settings():
