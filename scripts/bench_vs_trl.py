@@ -22,9 +22,16 @@ and with gspo-lab's own (`index_add`, gspo_lab.models.experts), so the ratio is 
 without that kernel's share. Extra arguments are Hydra overrides for the gspo-lab side; the `trainer.*` ones
 (device and precision) apply to all three runs: TRL then runs on the same device (`use_cpu`) and with bf16
 autocast under `bf16-mixed` (`bf16=True`), and the floor inside the trainer's precision context.
+Each run is a process of its own, which also reports its peak memory over the RL steps (the model and optimizer
+already built): the peak resident set on CPU (Linux's /proc/self/clear_refs, then VmHWM), torch.cuda's peak
+allocated memory on a GPU. `--lengths` repeats every run at several completion lengths (rollout.max_new_tokens;
+TRL's max_completion_length). Both sides split a mini-batch the workload's way: gspo-lab in
+train.micro_batch_size rows (log-probs train.logprob_chunk_tokens positions at a time), TRL in
+per_device_train_batch_size = the same rows with gradient_accumulation_steps to the mini-batch.
 Needs the `bench` extra: pip install -e ".[bench]".
 
     python scripts/bench_vs_trl.py --steps 8 --rounds 3
+    python scripts/bench_vs_trl.py --workload bench_vocab --steps 4 --rounds 1 --lengths 128 256 512 1024
     python scripts/bench_vs_trl.py --workload bench_paper --steps 8 --rounds 3
     python scripts/bench_vs_trl.py --workload bench_gpu --rounds 3 trainer=gpu   # on a GPU node
     python scripts/bench_vs_trl.py rollout.logprobs_from_generation=false   # gspo-lab with a second forward
@@ -34,7 +41,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -51,6 +61,8 @@ from gspo_lab.rollout.generation import generate, position_ids, prefill_distinct
 from gspo_lab.rollout.logprobs import token_logprobs
 from gspo_lab.tasks.base import Example
 from gspo_lab.train import build
+
+from bench import PhasePeaks  # scripts/bench.py: the peak memory of a stretch of this process
 
 
 def now() -> float:
@@ -92,19 +104,20 @@ def workload_config(workload: str, out: str, steps: int, overrides: list[str] = 
                                            "callbacks.progress.refresh_rate=0", "logger=[]", *overrides])
 
 
-def time_gspo_lab(workload: str, steps: int, warmup: int, overrides: list[str]) -> float:
+def time_gspo_lab(workload: str, steps: int, warmup: int, overrides: list[str], peaks: PhasePeaks) -> float:
     with tempfile.TemporaryDirectory() as out:
         run, module, _ = build(workload_config(workload, out, steps, overrides))
         clock = LightningClock()
         run.trainer.callbacks.append(clock)
+        peaks.reset()
         run.trainer.fit(module)
     return median_interval(clock.stamps, warmup)
 
 
-def time_floor(workload: str, steps: int, warmup: int, trainer: list[str]) -> float:
+def time_floor(workload: str, steps: int, warmup: int, trainer: list[str], peaks: PhasePeaks) -> float:
     """Seconds per RL step of the model's forwards, backwards and optimizer steps alone (the module docstring),
     on one generation's completions replayed every step, with the workload's levers (shared prompt prefill and
-    forward, expert kernel, log-prob chunking)."""
+    forward, expert kernel, log-prob chunking, micro-batches)."""
     with tempfile.TemporaryDirectory() as out:
         cfg = workload_config(workload, out, steps, trainer)
         run, module, _ = build(cfg)
@@ -131,14 +144,17 @@ def time_floor(workload: str, steps: int, warmup: int, trainer: list[str]) -> fl
             start = end
 
     def update() -> None:
-        for rows in torch.randperm(len(ids)).chunk(train_cfg.minibatches):
-            logp, _ = token_logprobs(model, ids[rows], mask[rows], new_tokens, rollout.temperature,
-                                     train_cfg.logprob_chunk_rows, share_prompts=train_cfg.share_prompt_forward)
-            (logp * mask[rows, prompt_len:]).sum().backward()
+        for minibatch in torch.randperm(len(ids)).chunk(train_cfg.minibatches):
+            for rows in minibatch.split(train_cfg.micro_batch_size or len(minibatch)):
+                logp, _ = token_logprobs(model, ids[rows], mask[rows], new_tokens, rollout.temperature,
+                                         train_cfg.logprob_chunk_rows, share_prompts=train_cfg.share_prompt_forward,
+                                         chunk_tokens=train_cfg.logprob_chunk_tokens)
+                (logp * mask[rows, prompt_len:]).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
 
     decoding, updating = [], []
+    peaks.reset()
     for _ in range(steps):
         with run.trainer.precision_plugin.train_step_context():
             started = now()
@@ -153,11 +169,17 @@ def time_floor(workload: str, steps: int, warmup: int, trainer: list[str]) -> fl
     return decode_s + update_s
 
 
-def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str, trainer: list[str]) -> float:
+def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str | None, trainer: list[str],
+             peaks: PhasePeaks) -> float:
+    """TRL's seconds per RL step; `experts`: the MoE expert kernel (None for a dense model)."""
+    kernel = [f"model.experts_implementation={experts}"] if experts else []
     with tempfile.TemporaryDirectory() as out:
-        cfg = workload_config(workload, out, steps, [f"model.experts_implementation={experts}", *trainer])
+        cfg = workload_config(workload, out, steps, [*kernel, *trainer])
         prompts, group, new_tokens = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens
         minibatches = cfg.train.minibatches
+        rows = prompts * group // minibatches  # a mini-batch
+        micro = cfg.train.micro_batch_size or rows
+        accumulation = -(-rows // micro)
         task = instantiate(cfg.task)
         torch.manual_seed(seed)
         model, tokenizer = instantiate(cfg.model).load(task)
@@ -165,8 +187,9 @@ def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str, tr
         args = GRPOConfig(
             output_dir=out, use_cpu=cfg.trainer.accelerator == "cpu", bf16=cfg.trainer.precision == "bf16-mixed",
             report_to="none", save_strategy="no", logging_steps=10_000,
-            seed=seed, max_steps=steps * minibatches, per_device_train_batch_size=prompts * group // minibatches,
-            steps_per_generation=minibatches, num_generations=group, max_completion_length=new_tokens,
+            seed=seed, max_steps=steps * minibatches, per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accumulation, steps_per_generation=minibatches * accumulation,
+            num_generations=group, max_completion_length=new_tokens,
             generation_kwargs={"min_new_tokens": new_tokens}, importance_sampling_level="sequence",
             loss_type="grpo", epsilon=cfg.objective.clip_low, epsilon_high=cfg.objective.clip_high, beta=0.0,
             learning_rate=cfg.train.lr, temperature=1.0, top_k=0, top_p=1.0, disable_dropout=True,
@@ -181,8 +204,54 @@ def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str, tr
             model=model, reward_funcs=reward, args=args, processing_class=tokenizer, callbacks=[clock],
             train_dataset=Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in examples]),
         )
+        peaks.reset()
         trainer.train()
     return median_interval(clock.stamps, warmup)
+
+
+class RunPeak(PhasePeaks):
+    """The peak memory since `reset` (called once, when the RL steps start) and the memory at that moment."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.start = self.read()  # right after a reset the peak is the current memory
+
+
+def run_one(side: str, args) -> None:
+    """One timed run in this process (a child of main): prints its seconds per step, its peak memory over the
+    RL steps and that peak's rise above the memory when they started (model and optimizer built) as JSON."""
+    peaks = RunPeak(torch.cuda.is_available())
+    trainer = [o for o in args.overrides if o.startswith(("trainer=", "trainer."))]  # device, precision: all runs
+    length = [f"rollout.max_new_tokens={args.length}"] if args.length else []
+    if side == "gspo-lab":
+        seconds = time_gspo_lab(args.workload, args.steps, args.warmup, args.overrides + length, peaks)
+    elif side == "floor":
+        seconds = time_floor(args.workload, args.steps, args.warmup, trainer + length, peaks)
+    else:  # "TRL" or "TRL <experts kernel>"
+        experts = side.split()[1] if " " in side else None
+        seconds = time_trl(args.workload, args.steps, args.warmup, args.seed, experts, trainer + length, peaks)
+    peak = peaks.read()
+    print("RESULT " + json.dumps({"seconds": seconds, "peak_mib": peak, "rise_mib": peak - peaks.start}), flush=True)
+
+
+def child(side: str, length: int | None, seed: int, args) -> dict[str, float]:
+    command = [sys.executable, __file__, "--child", side, "--workload", args.workload, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--seed", str(seed), *(["--length", str(length)] if length else []),
+               *args.overrides]
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("RESULT ", "  floor"))]
+    if done.returncode != 0 or not lines or not lines[-1].startswith("RESULT "):
+        raise RuntimeError(f"{side} (length {length}) failed:\n{done.stderr[-3000:]}")
+    for line in lines[:-1]:
+        print(line, flush=True)
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def sides_of(workload: str) -> list[str]:
+    """gspo-lab, its floor and TRL, twice for a MoE model (transformers' expert kernel and gspo-lab's)."""
+    with tempfile.TemporaryDirectory() as out:
+        moe = workload_config(workload, out, 1).model.get("experts_implementation") is not None
+    return ["gspo-lab", "floor"] + (["TRL grouped_mm", "TRL index_add"] if moe else ["TRL"])
 
 
 def main() -> None:
@@ -190,24 +259,40 @@ def main() -> None:
     parser.add_argument("--workload", default="bench_anchor", help="conf/experiment/<workload>.yaml")
     parser.add_argument("--steps", type=int, default=8, help="RL steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first step intervals not timed")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of the four runs")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the runs")
+    parser.add_argument("--lengths", type=int, nargs="*", default=[None],
+                        help="completion lengths (rollout.max_new_tokens) to run at; default the workload's")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the gspo-lab side")
     args = parser.parse_args()
-    trainer = [o for o in args.overrides if o.startswith(("trainer=", "trainer."))]  # device, precision: all runs
-    times: dict[str, list[float]] = {"gspo-lab": [], "TRL grouped_mm": [], "TRL index_add": [], "floor": []}
-    for round_ in range(args.rounds):
-        times["gspo-lab"].append(time_gspo_lab(args.workload, args.steps, args.warmup, args.overrides))
-        times["floor"].append(time_floor(args.workload, args.steps, args.warmup, trainer))
-        for experts in ("grouped_mm", "index_add"):
-            seconds = time_trl(args.workload, args.steps, args.warmup, round_, experts, trainer)
-            times[f"TRL {experts}"].append(seconds)
-        print(f"round {round_}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()) + " s/step", flush=True)
-    median = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{args.workload}: median over {args.rounds} rounds, {torch.get_num_threads()} threads: "
-          + ", ".join(f"{k} {v:.3f}" for k, v in median.items()) + " s/step")
-    for trl in ("TRL grouped_mm", "TRL index_add"):
-        print(f"  gspo-lab is {median[trl] / median['gspo-lab']:.2f}x faster than {trl}; "
-              f"the floor (model and optimizer alone) would be {median[trl] / median['floor']:.2f}x")
+    if args.child:
+        return run_one(args.child, args)
+    sides = sides_of(args.workload)
+    results: dict[tuple[int | None, str], list[dict[str, float]]] = {}
+    for round_, length in itertools.product(range(args.rounds), args.lengths):
+        for side in sides:
+            results.setdefault((length, side), []).append(child(side, length, round_, args))
+        print(f"round {round_}, length {length or 'default'}: " + ", ".join(
+            f"{side} {results[length, side][-1]['seconds']:.3f} s {results[length, side][-1]['peak_mib']:.0f} MiB"
+            for side in sides), flush=True)
+    memory = "peak CUDA allocated" if torch.cuda.is_available() else "peak RSS"
+    print(f"{args.workload}: medians over {args.rounds} rounds, {torch.get_num_threads()} threads; s/step, {memory} "
+          "over the RL steps (+ its rise above their start) MiB")
+    keys = ("seconds", "peak_mib", "rise_mib")
+    for length in args.lengths:
+        median = {side: {key: statistics.median(r[key] for r in results[length, side]) for key in keys}
+                  for side in sides}
+        print(f"  length {length or 'default'}: " + ", ".join(
+            f"{side} {m['seconds']:.3f} s {m['peak_mib']:.0f} (+{m['rise_mib']:.0f}) MiB" for side, m in median.items()))
+        lab = median["gspo-lab"]
+        print(f"    gspo-lab at {median['floor']['seconds'] / lab['seconds']:.0%} of the floor")
+        for trl in (side for side in sides if side.startswith("TRL")):
+            print(f"    gspo-lab is {median[trl]['seconds'] / lab['seconds']:.2f}x faster than {trl} "
+                  f"(the floor would be {median[trl]['seconds'] / median['floor']['seconds']:.2f}x) and uses "
+                  f"{lab['peak_mib'] / median[trl]['peak_mib']:.2f} of its peak memory "
+                  f"({lab['rise_mib'] / median[trl]['rise_mib']:.2f} of its rise)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """train.micro_batch_size in a real run: the gradient each optimizer step takes does not depend on it (single
 process, with and without routing replay; two DDP ranks in the full suite), and a user's aggregation that cannot
-be split is refused before anything runs."""
+be split is refused before anything runs. rollout.generation_batch_size: the samples do not depend on it."""
 
 from __future__ import annotations
 
@@ -50,6 +50,38 @@ def test_the_update_does_not_depend_on_the_micro_batch_size(replay, compose, rl_
         for got, expected in zip(gradients[size], whole):
             # float32 sums of a few hundred terms in another grouping: a few eps of the tensor's largest entry
             torch.testing.assert_close(got, expected, rtol=0, atol=64 * 1.2e-7 * expected.abs().max().item() + 1e-12)
+
+
+def test_the_samples_do_not_depend_on_the_generation_batch_size(compose, rl_overrides, tmp_path):
+    """16 rows per step sampled at once and in generate calls of 3 rows (groups of 4 split, prompts padded
+    apart, then re-padded to one batch): the same tokens in both steps' batches, and under r3 the experts recorded
+    in separate calls replay exactly (one on-policy update: nothing overridden); losses equal to float rounding."""
+    histories, batches = {}, {}
+    for size in ("null", "3"):
+        overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")]
+        run, module, _ = build(compose(overrides + [f"rollout.generation_batch_size={size}", "routing.replay=r3",
+                                                    "train.minibatches=1", "rollout.temperature=2.0",
+                                                    f"paths.output_dir={tmp_path / size}"]))
+        collect, batches[size] = module.collect_rollout, []
+        module.collect_rollout = lambda step, metrics: batches[size].append(collect(step, metrics)) or batches[size][-1]
+        run.trainer.fit(module)
+        histories[size] = [row for row in module.history if "reward/mean" in row]
+    for a, b in zip(batches["null"], batches["3"], strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask, b.attention_mask)
+        # the same experts for every real token but each row's last: generate feeds a finished row's stop token
+        # back (and pads after it) only while other rows of its call still decode, and no log-prob needs the
+        # experts of the last token (nor of padding)
+        real = a.attention_mask.bool().cpu()
+        last = real & ~torch.nn.functional.pad(real[:, 1:], (0, 1), value=False)  # [B, L]
+        both = a.routing_trace.recorded & b.routing_trace.recorded
+        assert torch.equal(both & real & ~last, real & ~last)
+        assert torch.equal(a.routing_trace.indices[:, both], b.routing_trace.indices[:, both])
+    completions = batches["null"][0].input_ids[:4, -batches["null"][0].completion_len :]  # the first group
+    assert len({tuple(row.tolist()) for row in completions}) > 1  # sampled, not all alike
+    for a, b in zip(histories["null"], histories["3"], strict=True):
+        assert a["routing/override_frac"] == b["routing/override_frac"] == 0
+        for key in ("loss/total", "ratio/seq/mean", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
 def test_an_aggregation_without_a_denominator_is_refused_with_micro_batches(compose, tmp_path):

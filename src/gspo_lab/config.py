@@ -82,6 +82,8 @@ class RolloutConfig:
             in one step; a step still short after them keeps zero-std groups (counted in rollout/unfilled_groups).
         stop_token_ids: token ids that end a completion, besides the tokenizer's EOS and every EOS of the
             checkpoint's generation config (a chat model's end of turn).
+        generation_batch_size: rows per `generate` call (None: all of a rank's rows at once). Every row samples
+            from its own seeded stream, so the samples do not depend on it (to float rounding of the logits).
         engine: how the rollout engine differs from the trainer (`EngineConfig`; the default: not at all).
     """
 
@@ -97,6 +99,7 @@ class RolloutConfig:
     filter_zero_std_groups: bool = False
     max_sampling_rounds: int = 4
     stop_token_ids: list[int] = field(default_factory=list)
+    generation_batch_size: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -104,6 +107,8 @@ class RolloutConfig:
         _positive_int("rollout.group_size", self.group_size, minimum=2)
         _positive_int("rollout.max_new_tokens", self.max_new_tokens)
         _positive_int("rollout.max_sampling_rounds", self.max_sampling_rounds)
+        if self.generation_batch_size is not None:
+            _positive_int("rollout.generation_batch_size", self.generation_batch_size)
         _require(isinstance(self.filter_zero_std_groups, bool), "rollout.filter_zero_std_groups",
                  self.filter_zero_std_groups, "must be true or false")
         _require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0,
@@ -199,8 +204,10 @@ class RoutingConfig:
         replay: "off"; "r2" records experts in the old-policy forward and replays them in training forwards
             (needs rollout.logprobs_from_generation=false); "r3" records them during generation and replays them
             in the old-policy forward, if any, and the training forwards. YAML's bare `off` (false) means "off".
-        diagnostics_rows: rows of the rollout batch (the first, so whole groups) on which routing/changed_frac
-            is measured after each step's updates; null measures all rows (one more no-grad forward of the batch).
+        diagnostics_rows: rows of the rollout batch on which routing/changed_frac is measured: the trainer's
+            experts before the updates (the first mini-batch's own forwards where they route freely and hold this
+            many rows, else the batch's first rows, whole groups, in a no-grad forward) against one more no-grad
+            forward after them; null measures all rows.
     """
 
     replay: str = "off"

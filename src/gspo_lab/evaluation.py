@@ -9,9 +9,10 @@ scores eval/accuracy); reward functions, when a set names them, are scored and r
 Metric names mirror verl's validation (mean@n, maj@k) and lighteval's / lm-eval's pass@k, under eval/<set>/:
 greedy, mean@<n>, pass@<k>, maj@<k>, length (mean completion tokens of the samples, else of greedy), and
 reward/<function>/{greedy,mean@<n>} where a set has several reward functions; the time each set took is
-time/eval/<set>_s, the whole evaluation's time/eval_s. Sampling draws from its own seed stream (the run's seed,
-the set's name, the batch and the rank: `stream_seed`), so every evaluation of a run samples the same prompts
-with the same seeds, and the training's random state is left as it was.
+time/eval/<set>_s, the whole evaluation's time/eval_s. Sample j of prompt i of a set draws from its own stream,
+seeded by (the run's seed, the set's name, j, i: `stream_seed`), so every evaluation of a run samples each prompt
+with the same seeds whatever eval.batch_size and the number of ranks, eval.n = 8 extends eval.n = 4's samples, and
+the training's random state is left as it was.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ class Evaluator:
         settings: how to decode (`EvalSettings`).
         max_new_tokens: the budget when settings leave it unset (rollout.max_new_tokens).
         stop_token_ids: rollout.stop_token_ids.
-        seed: the run's seed; with the set's name, the batch and the rank, it seeds each batch's sampling.
+        seed: the run's seed; with the set's name, the prompt and the sample's index, it seeds each sample.
     """
 
     def __init__(self, sets: list[EvalSet], settings: EvalSettings, max_new_tokens: int,
@@ -184,10 +185,11 @@ class Evaluator:
             examples = [eval_set.examples[i] for i in indices]
             share = -(-len(eval_set.examples) // world)  # the largest rank's share
             padded = examples + [eval_set.examples[0]] * (share - len(examples)) if world > 1 else examples
+            numbers = indices + [0] * (len(padded) - len(examples))  # each padded prompt's index in the set
             n = self.settings.n
-            greedy = self._decode(model, tokenizer, eval_set, padded, 1, True, rank, progress) \
+            greedy = self._decode(model, tokenizer, eval_set, padded, numbers, 1, True, progress) \
                 if self.settings.greedy else None
-            sampled = self._decode(model, tokenizer, eval_set, padded, n, False, rank, progress) if n else None
+            sampled = self._decode(model, tokenizer, eval_set, padded, numbers, n, False, progress) if n else None
             greedy = greedy.first(len(examples)) if greedy is not None else None
             sampled = sampled.first(len(examples) * n) if sampled is not None else None
             sums = self._sums(eval_set, greedy, sampled, len(examples))
@@ -206,20 +208,21 @@ class Evaluator:
         metrics["time/eval_s"] = time.perf_counter() - started
         return metrics, rows
 
-    def _decode(self, model, tokenizer, eval_set: EvalSet, examples: list[Example], n: int, greedy: bool,
-                rank: int, progress) -> Decoded:
-        """n completions of each example (one when `greedy`), batch_size completions per `generate` call; each
-        batch's sampling is seeded from (seed, set, batch, rank), so every evaluation draws the same samples."""
+    def _decode(self, model, tokenizer, eval_set: EvalSet, examples: list[Example], numbers: list[int], n: int,
+                greedy: bool, progress) -> Decoded:
+        """n completions of each example (one when `greedy`), batch_size completions per `generate` call; sample j
+        of the set's prompt i (`numbers`: each example's i) is seeded from (seed, set, j, i)."""
         per_batch = max(1, self.settings.batch_size // n)
         decoded = Decoded([], [], [], [], {})
-        for batch, start in enumerate(range(0, len(examples), per_batch)):
+        for start in range(0, len(examples), per_batch):
             chunk = [e for e in examples[start : start + per_batch] for _ in range(n)]
-            if not greedy:
-                torch.manual_seed(stream_seed(self.seed, f"{EVAL_SAMPLING}/{eval_set.name}", batch, rank))
+            seeds = None if greedy else torch.tensor(
+                [stream_seed(self.seed, f"{EVAL_SAMPLING}/{eval_set.name}/{j}", i)
+                 for i in numbers[start : start + per_batch] for j in range(n)], dtype=torch.int64)
             out = generate(model, tokenizer, eval_set.render.texts(chunk), self.max_new_tokens,
                            temperature=self.settings.temperature, top_p=self.settings.top_p, greedy=greedy,
                            share_prompts=n > 1, stop_token_ids=self.stop_token_ids,
-                           add_special_tokens=eval_set.render.add_special_tokens)
+                           add_special_tokens=eval_set.render.add_special_tokens, row_seeds=seeds)
             decoded.texts += out.texts
             decoded.lengths += out.completion_mask.sum(-1).tolist()
             decoded.correct += [bool(eval_set.task.is_correct(e, t)) for e, t in zip(chunk, out.texts)]

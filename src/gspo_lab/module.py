@@ -5,11 +5,13 @@ One RL step is one `training_step`:
    rollout engine (the trainer's model itself by default; `rollout.engine.*` makes it differ);
 2. rewards from the reward functions (gspo_lab.rewards; the task's checker by default), with
    `rollout.filter_zero_std_groups` further rounds of prompts replacing groups whose rewards are all equal
-   (gspo_lab.rollout.dynamic_sampling); group-relative advantages; the trainer's own
-   log-probs and experts on the diagnostic rows against the engine's (mismatch/*, routing/rollout_disagreement*);
+   (gspo_lab.rollout.dynamic_sampling); group-relative advantages;
 3. old-policy log-probs from the engine's own logits (default), or from a no-grad trainer forward; with
    `objective.beta > 0`, the frozen reference policy's log-probs from one more no-grad forward;
-4. `train.minibatches` shuffled mini-batches, one optimizer step each, with gradient clipping;
+4. `train.minibatches` shuffled mini-batches, one optimizer step each, with gradient clipping; the trainer's own
+   log-probs and experts before any update against the engine's (mismatch/*, routing/rollout_disagreement*) are
+   those of the first mini-batch's forwards (without replay) or of a no-grad forward of the diagnostic rows in
+   step 2 (under replay), and the routing change of those rows after the updates closes the step;
 5. metrics reduced across ranks and written once, with `step` = the RL step.
 Steps 1-3 are the rollout half (gspo_lab.rollout.collection.RolloutCollection, mixed in); this file holds the
 Lightning plumbing and the updates. The algorithm only chooses the objective (and the routing replay mode).
@@ -22,6 +24,8 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -45,6 +49,7 @@ from gspo_lab.rollout.collection import RolloutCollection
 from gspo_lab.rollout.engine import RolloutEngine
 from gspo_lab.rollout.generation import distinct_prompts
 from gspo_lab.routing import RoutingReplay
+from gspo_lab.routing.trace import RoutingTrace
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
 from gspo_lab.sharding import is_sharded, shard
 from gspo_lab.tasks.base import Task
@@ -221,9 +226,17 @@ class RLModule(RolloutCollection, L.LightningModule):
         optimizer = self.optimizers()
         collected: list[dict[str, float]] = []
         skipped = 0
-        for rows in torch.randperm(len(batch.rewards)).chunk(self.train_cfg.minibatches):
+        diagnostics: dict[str, float] = {}
+        for index, rows in enumerate(torch.randperm(len(batch.rewards)).chunk(self.train_cfg.minibatches)):
             minibatch = batch.rows(rows.to(self.device))
-            metrics = self.accumulate(minibatch)
+            # without replay the first mini-batch's forwards are the trainer's own before any update: the engine
+            # mismatch and the routing before the updates are measured on them, not by a forward of their own
+            before = FirstForwards() if index == 0 and self.measured_in_update(batch) else None
+            metrics = self.accumulate(minibatch, before)
+            if before is not None:
+                started = time.perf_counter()
+                diagnostics.update(before.measured(self, minibatch))
+                diagnostics["time/mismatch_s"] = time.perf_counter() - started
             if metrics is None:
                 optimizer.zero_grad()  # a micro-batch before the non-finite one may have left gradients
                 skipped += self.skip_update("non-finite loss")
@@ -242,15 +255,17 @@ class RLModule(RolloutCollection, L.LightningModule):
             collected.append({**metrics, "grad_norm": grad_norm.item()})
         metrics = combine(collected)
         metrics["train/skipped_updates"] = float(skipped)
-        metrics.update(self.routing.diagnostics(batch, self.shared_logprobs))
+        metrics.update(diagnostics)
+        metrics.update(self.routing.diagnostics(self.shared_logprobs))
         return metrics
 
     # ---- pieces -------------------------------------------------------------------------------------------
 
-    def accumulate(self, minibatch: RolloutBatch) -> dict[str, float] | None:
+    def accumulate(self, minibatch: RolloutBatch, before: FirstForwards | None = None) -> dict[str, float] | None:
         """The mini-batch's gradient, accumulated over micro-batches of train.micro_batch_size rows, each loss
         weighted by its share D_m / D of the aggregation's count (gspo_lab.objectives.micro_batches), and its
-        metrics; None when a loss was non-finite (on every rank)."""
+        metrics; None when a loss was non-finite (on every rank). `before` gathers the forwards' log-probs and
+        experts."""
         count = len(minibatch.rewards)
         slices = micro_batches.micro_slices(count, self.train_cfg.micro_batch_size)
         split = len(slices) > 1
@@ -259,7 +274,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         for rows in slices:
             micro = minibatch.rows(torch.arange(count, device=self.device)[rows]) if split else minibatch
             share = micro_batches.denominator(self.objective, micro.loss_mask) / total if split else None
-            out, entropy = self.forward_backward(micro, share)
+            out, entropy = self.forward_backward(micro, share, before)
             if out is None:
                 return None
             mask = micro.loss_mask
@@ -272,12 +287,17 @@ class RLModule(RolloutCollection, L.LightningModule):
         parts = [(dict(zip(keys, row[:-3])), *row[-3:]) for row in host]
         return micro_batches.combine(self.objective, parts)
 
-    def forward_backward(self, minibatch: RolloutBatch, share: torch.Tensor | None = None):
+    def forward_backward(self, minibatch: RolloutBatch, share: torch.Tensor | None = None,
+                         before: FirstForwards | None = None):
         """Objective and gradient of one (micro-)batch, its loss weighted by `share` (None: 1); (None, None) on every
         rank when any rank's loss is non-finite. Backward runs inside the replay context, so recomputed forwards
-        replay too."""
+        replay too. `before` (no replay) keeps the forward's log-probs and experts (recorded in the forward only)."""
         with self.routing.training(minibatch):
-            logp, entropy = self.logprobs(minibatch, share_prompts=self.replay_allows_sharing(minibatch))
+            with self.routing.recording() if before is not None else nullcontext() as trace:
+                logp, entropy = self.logprobs(minibatch, share_prompts=self.replay_allows_sharing(minibatch))
+            if before is not None:
+                before.logp.append(logp.detach())
+                before.traces.append(trace)
             try:
                 out = self.objective(logp, minibatch.old_logp, minibatch.advantages, minibatch.loss_mask,
                                      ref_logp=minibatch.ref_logp, rollout_logp=minibatch.rollout_logp)
@@ -393,6 +413,23 @@ class RLModule(RolloutCollection, L.LightningModule):
             "min": self.trainer.strategy.reduce(values.clone(), reduce_op=ReduceOp.MIN),
         }
         return {k: reduced[reduction(k)][i].item() for i, k in enumerate(keys)}
+
+
+@dataclass
+class FirstForwards:
+    """The log-probs [b, C] and experts of the first mini-batch's micro-batches, in order: the trainer's own (no
+    replay) before any update, which the engine mismatch and the routing diagnostics measure."""
+
+    logp: list[torch.Tensor] = field(default_factory=list)
+    traces: list[RoutingTrace | None] = field(default_factory=list)
+
+    def measured(self, module: RLModule, minibatch: RolloutBatch) -> dict[str, float]:
+        """mismatch/* and routing/rollout_disagreement* on the rows forwarded (all of the mini-batch's, unless a
+        non-finite loss stopped it early)."""
+        logp = torch.cat(self.logp)  # [b, C]
+        rows = minibatch.rows(torch.arange(len(logp), device=logp.device))
+        trace = None if self.traces[0] is None else RoutingTrace.cat(self.traces)
+        return module.mismatch_measured(rows, logp, trace)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

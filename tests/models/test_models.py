@@ -108,6 +108,25 @@ def test_model_errors_are_clear(tmp_path):
         TinyModel(arch="qwen3", dtype="float8")
 
 
+DENSE = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "head_dim": 16, "intermediate_size": 32}
+
+
+def test_a_padded_vocabulary_has_rows_beyond_the_tokenizers_and_they_decode_to_nothing():
+    """model.config.vocab_size pads the embedding and output rows past the tokenizer's (Qwen3: 151,669 tokens,
+    151,936 rows); a sampled padding id decodes to no text; fewer rows than tokens are refused."""
+    torch.manual_seed(0)
+    model, tok = TinyModel(arch="qwen3", config={**DENSE, "vocab_size": 4 * len(char_tokenizer())}).load()
+    assert model.get_output_embeddings().weight.shape[0] == 4 * len(tok)
+    out = generate(model, tok, ["1+2="] * 8, max_new_tokens=6, suppress_eos=True)
+    padding = out.completion_ids >= len(tok)  # a random model puts ~3/4 of its mass there
+    assert padding.any()
+    kept = [[i for i in row.tolist() if i < len(tok)] for row in out.completion_ids]
+    assert out.texts == tok.batch_decode(kept, skip_special_tokens=True)
+    with pytest.raises(ValueError, match=r"model\.config\.vocab_size=50 must be an integer >= the tokenizer's 99"):
+        TinyModel(arch="qwen3", config={**DENSE, "vocab_size": 50}).load()
+
+
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_gradient_checkpointing_recomputes_every_block_in_either_mode(mode):
     """RL updates run in eval mode, where transformers' own checkpointing does nothing; ours recomputes each

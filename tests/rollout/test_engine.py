@@ -3,6 +3,7 @@ and its mismatch to the trainer measured every RL step."""
 
 import math
 import re
+from types import SimpleNamespace
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from gspo_lab import CONFIG_DIR
 from gspo_lab.config import EngineConfig
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import generate, token_logprobs
+from gspo_lab.rollout.collection import engine_mismatch
 from gspo_lab.rollout.engine import RolloutEngine
 from gspo_lab.routing import is_moe, record_routing, replay_routing
 from gspo_lab.train import build
@@ -123,6 +125,39 @@ def test_mismatch_is_zero_for_the_default_engine_and_grows_with_fp16_then_bf16_r
     for row, bf16_row in zip(run_metrics(compose, rl_overrides, "rollout.engine.precision=fp16"), bf16):
         # k3 ~ Δ²/2 and fp16's Δ is about 8 times smaller: 64 times less expected, 42-54 measured, 8 asserted
         assert 0 < row["mismatch/kl"] < bf16_row["mismatch/kl"] / 8
+
+
+def test_without_replay_the_first_minibatchs_forwards_measure_what_a_forward_of_their_own_would(compose,
+                                                                                              rl_overrides):
+    """The mismatch and the routing before the updates, taken from the first mini-batch's training forwards (two
+    micro-batches, gradients on), equal a no-grad forward of their own on the same rows before the update (the
+    measurement gspo-lab ran until then, and still runs under replay), with a bf16 engine and router noise so
+    that there is a mismatch to measure; the routing change after the updates is measured on those rows."""
+    run, module, _ = build(compose(rl_overrides + ["rollout.engine.precision=bf16", "rollout.engine.router_noise=0.3",
+                                                   "train.micro_batch_size=4", "train.steps=1",
+                                                   "routing.diagnostics_rows=8"]))  # the 8-row first mini-batch
+    own: list[dict[str, float]] = []
+    accumulate = module.accumulate
+    module.mismatch = lambda batch: pytest.fail("a forward of its own ran")
+
+    def measured_first(minibatch, before=None):
+        if not own:  # the first mini-batch, weights as at generation: a forward of its own first
+            train_logp, metrics = module.routing.before_update(minibatch, module.shared_logprobs)
+            own.append({**metrics, **engine_mismatch(minibatch, train_logp)})
+        return accumulate(minibatch, before)
+
+    module.accumulate = measured_first
+    run.trainer.fit(module)
+    step = module.history[0]
+    sixteen_rows = SimpleNamespace(rewards=torch.zeros(16))  # 2 mini-batches of 8
+    assert module.measured_in_update(sixteen_rows)
+    module.routing.diagnostics_rows = 9  # more rows than the first mini-batch holds: a forward of their own
+    assert not module.measured_in_update(sixteen_rows)
+    assert len(own) == 1 and own[0]["mismatch/kl"] > 1e-6 and own[0]["routing/rollout_disagreement"] > 0.01
+    for key, value in own[0].items():
+        # the same operations on the same rows, with and without autograd: equal to float rounding
+        assert step[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
+    assert "routing/changed_frac" in step and step["routing/changed_frac"] >= 0
 
 
 def test_router_noise_moves_the_engines_experts_and_r3_replays_them(compose, rl_overrides):

@@ -5,7 +5,7 @@ import torch
 
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import PromptSchedule, generate, token_logprobs
-from gspo_lab.rollout.generation import StepLogprobs, position_ids
+from gspo_lab.rollout.generation import RowSampler, StepLogprobs, position_ids
 from gspo_lab.tasks import Arithmetic
 from tests.numerics import assert_rounding_close, logit_scale
 
@@ -88,6 +88,52 @@ def test_logprobs_from_generation_match_the_forward(policy, top_p):
         scale = logit_scale(model(**ids_mask).logits, 0.8)
     # decoding over a cache and one forward over the whole rows: other shapes, equal to rounding of the logits
     assert_rounding_close(out.logprobs[valid], forward[valid], scale=scale, units=16)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_the_row_sampler_draws_from_the_tempered_nucleus(temperature, top_p):
+    """20,000 rows of the same logits, each with its own seed: every token's frequency within 4.5 standard errors
+    of softmax(logits / T) renormalised over the top_p nucleus, and no token outside it ever drawn."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    rows = 20_000
+    sampler = RowSampler(torch.arange(rows), steps=1, temperature=temperature, top_p=top_p)
+    scores = sampler(torch.zeros(rows, 1, dtype=torch.long), logits.expand(rows, -1).clone())  # [rows, V]
+    assert (torch.isfinite(scores).sum(-1) == 1).all()  # one token left per row, for generate's greedy choice
+    counts = torch.bincount(scores.argmax(-1), minlength=len(logits)).double()
+    probs = (logits.double() / temperature).softmax(-1)
+    # the nucleus: the fewest most likely tokens whose mass reaches top_p (transformers' TopPLogitsWarper)
+    kept = probs.cumsum(-1) - probs < top_p
+    expected = torch.where(kept, probs, 0.0) / probs[kept].sum()
+    assert (counts[~kept] == 0).all()
+    error = (expected * (1 - expected) / rows).sqrt()
+    assert ((counts / rows - expected).abs() <= 4.5 * error).all(), (counts / rows, expected)
+
+
+@pytest.mark.numerics
+def test_a_rows_sample_does_not_depend_on_the_rows_beside_it(policy):
+    """The same row seeds give each row the same tokens whether the 6 prompts (of different lengths, so other
+    left padding) are decoded together, two calls of 3, or one by one; the log-probs to rounding of the logits."""
+    model, tok = policy
+    prompts = ["12+3=", "1=", "999+1=", "12+3=", "4+4=", "77+8="]
+    seeds = torch.tensor([11, 12, 13, 14, 15, 16])
+
+    def decoded(size):
+        parts = [generate(model, tok, prompts[i : i + size], 10, temperature=0.9, return_logprobs=True,
+                          row_seeds=seeds[i : i + size]) for i in range(0, len(prompts), size)]
+        rows = [(ids[mask.bool()], logp[mask.bool()]) for part in parts
+                for ids, mask, logp in zip(part.completion_ids, part.completion_mask, part.logprobs)]
+        return rows, [text for part in parts for text in part.texts]
+
+    whole, texts = decoded(6)
+    assert len(set(texts)) > 2  # rows do differ (4 distinct prompts, 6 seeds)
+    for size in (3, 1):
+        rows, other_texts = decoded(size)
+        assert other_texts == texts
+        for (ids, logp), (whole_ids, whole_logp) in zip(rows, whole):
+            assert torch.equal(ids, whole_ids)
+            assert_rounding_close(logp, whole_logp, scale=logp.abs().max() + 1, units=64)
+    reseeded = generate(model, tok, prompts, 10, temperature=0.9, row_seeds=seeds + 100)
+    assert reseeded.texts != texts  # the seeds, not the prompts alone, decide
 
 
 def test_step_logprobs_keep_the_returned_tokens_and_drop_later_decode_steps(policy):

@@ -175,7 +175,7 @@ def test_errors_name_the_model_class(tiny_family):
                                               "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 32}).load()
     with pytest.raises(ValueError, match="Qwen3ForCausalLM is a dense model"):
         RoutingReplay(dense, "r2")
-    assert RoutingReplay(dense, "off").diagnostics(None, None) == {}
+    assert RoutingReplay(dense, "off").diagnostics(None) == {}
     unknown, _ = TinyModel(arch="phimoe", config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                                                  "num_key_value_heads": 1, "intermediate_size": 32,
                                                  "num_local_experts": 4, "num_experts_per_tok": 2}).load()

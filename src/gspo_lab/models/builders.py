@@ -46,7 +46,9 @@ class TinyModel:
     Args:
         arch: a transformers `model_type` such as "qwen3_moe", "qwen3", "mixtral", "olmoe", "qwen2_moe".
         config: keyword arguments of that architecture's config class (hidden_size, num_experts, ...);
-            vocabulary size and special-token ids come from the character tokenizer.
+            special-token ids come from the tokenizer, and so does the vocabulary size unless `vocab_size` pads
+            it: embedding and output rows beyond the tokenizer's tokens, as Qwen3 pads its 151,669 tokens to
+            151,936 rows (a token id there decodes to no text).
         dtype: parameter dtype, "float32" (default), "bfloat16" or "float16".
         gradient_checkpointing: recompute activations in the backward pass (`checkpoint_blocks`).
         experts_implementation: the MoE expert kernel: "index_add" (gspo_lab.models.experts), or
@@ -93,14 +95,19 @@ class TinyModel:
 
     def load(self, task=None):
         tokenizer = self.build_tokenizer(task)
+        settings = dict(self.config)
+        vocab_size = settings.pop("vocab_size", None) or len(tokenizer)
+        if not (isinstance(vocab_size, int) and vocab_size >= len(tokenizer)):
+            raise ValueError(f"model.config.vocab_size={vocab_size!r} must be an integer >= the tokenizer's "
+                             f"{len(tokenizer)} tokens (rows beyond them pad the vocabulary)")
         try:
             config = AutoConfig.for_model(
                 self.arch,
-                vocab_size=len(tokenizer),
+                vocab_size=vocab_size,
                 pad_token_id=tokenizer.pad_token_id,
                 bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id,
-                **self.config,
+                **settings,
             )
         except ValueError as error:
             raise ValueError(f"model.arch={self.arch!r} is not a transformers model_type: {error}") from error

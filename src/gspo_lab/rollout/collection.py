@@ -15,7 +15,8 @@ from gspo_lab.rewards import Scores
 from gspo_lab.rollout.batch import RolloutBatch
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
 from gspo_lab.rollout.engine import mismatch_metrics
-from gspo_lab.rollout.generation import Completions, generate
+from gspo_lab.rollout.generation import Completions, draw_row_seeds, generate
+from gspo_lab.routing.trace import RoutingTrace
 from gspo_lab.tasks.base import Example
 from gspo_lab.tensors import frac_zero_std
 
@@ -56,9 +57,10 @@ class RolloutCollection:
             rollout_logp=completions.logprobs,
             rollout_trace=rollout_trace,
         ).to(self.device)
-        started = time.perf_counter()
-        metrics.update(self.mismatch(batch))
-        metrics["time/mismatch_s"] = time.perf_counter() - started
+        if not self.measured_in_update(batch):  # else the first mini-batch's own forwards measure it (update)
+            started = time.perf_counter()
+            metrics.update(self.mismatch(batch))
+            metrics["time/mismatch_s"] = time.perf_counter() - started
         started = time.perf_counter()
         if batch.old_logp is None:
             with torch.no_grad(), self.routing.old_policy(batch) as trace:  # r3 replays here, off and r2 record
@@ -80,7 +82,7 @@ class RolloutCollection:
         examples = self.prompts.for_step(step, self.global_rank, self.trainer.world_size, sampling_round)
         grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
         texts = self.render.texts(examples)  # model input, once per prompt
-        completions = self.sample([text for text in texts for _ in range(cfg.group_size)], metrics)
+        completions, trace = self.sample([text for text in texts for _ in range(cfg.group_size)], metrics)
         scores = self.score(step, grouped, completions)
         # reward/<name>/* of the step's own prompts (round 0, as reward/*); the running error counts of every round
         metrics.update({k: v for k, v in scores.metrics.items()
@@ -89,8 +91,6 @@ class RolloutCollection:
         if self.train_cfg.shuffle_rewards:  # negative control: rewards no longer belong to their completions
             order = torch.randperm(len(rewards))
             rewards, applies = rewards[order], applies[order]
-        prompt_len = completions.prompt_ids.shape[1]
-        trace = self.routing.generation_trace(prompt_len, prompt_len + completions.completion_ids.shape[1])
         return SampledRound(grouped, completions, rewards, applies, trace)
 
     def resample_zero_std_groups(self, step: int, first: SampledRound, metrics: dict[str, float]) -> SampledRound:
@@ -111,31 +111,53 @@ class RolloutCollection:
         metrics["rollout/frac_zero_std_sampled"] = frac_zero_std(sampled, cfg.group_size).item()
         return merged
 
-    def sample(self, prompts: list[str], metrics: dict[str, float]) -> Completions:
-        """Completions from the rollout engine, its weights first refreshed from the trainer's current ones;
-        the engine's own log-probs of the sampled tokens are always kept. Timings add up over a step's rounds."""
+    def sample(self, prompts: list[str], metrics: dict[str, float]) -> tuple[Completions, RoutingTrace | None]:
+        """Completions from the rollout engine, its weights first refreshed from the trainer's current ones, in
+        `generate` calls of rollout.generation_batch_size rows; the engine's own log-probs of the sampled tokens
+        are always kept, and its experts when routing records them. Each row samples from its own stream, its seed
+        drawn here for all rows at once, so the samples do not depend on the batch size. Timings add up over a
+        step's rounds."""
         cfg = self.rollout_cfg
         started = time.perf_counter()
         self.engine.sync()
         synced = time.perf_counter()
-        with self.engine.generating(), self.routing.generation(self.engine.model):
-            completions = generate(
-                self.engine.model, self.tokenizer, prompts, cfg.max_new_tokens, temperature=cfg.temperature,
-                top_p=cfg.top_p, suppress_eos=cfg.suppress_eos, return_logprobs=True,
-                share_prompts=cfg.share_prompt_prefill, stop_token_ids=cfg.stop_token_ids,
-                add_special_tokens=self.render.add_special_tokens,
-            )
+        seeds = draw_row_seeds(len(prompts))  # [N]
+        size = cfg.generation_batch_size or len(prompts)
+        parts, traces = [], []
+        for start in range(0, len(prompts), size):
+            with self.engine.generating(), self.routing.generation(self.engine.model):
+                part = generate(
+                    self.engine.model, self.tokenizer, prompts[start : start + size], cfg.max_new_tokens,
+                    temperature=cfg.temperature, top_p=cfg.top_p, suppress_eos=cfg.suppress_eos, return_logprobs=True,
+                    share_prompts=cfg.share_prompt_prefill, stop_token_ids=cfg.stop_token_ids,
+                    add_special_tokens=self.render.add_special_tokens, row_seeds=seeds[start : start + size],
+                )
+            prompt_len = part.prompt_ids.shape[1]
+            parts.append(part)
+            traces.append(self.routing.generation_trace(prompt_len, prompt_len + part.completion_ids.shape[1]))
+        completions, trace = one_batch(parts, traces, self.tokenizer.pad_token_id)
         metrics["time/engine_sync_s"] = metrics.get("time/engine_sync_s", 0.0) + synced - started
         metrics["time/generate_s"] = metrics.get("time/generate_s", 0.0) + time.perf_counter() - synced
-        return completions
+        return completions, trace
 
     def mismatch(self, batch: RolloutBatch) -> dict[str, float]:
         """mismatch/* and routing/rollout_disagreement*: the trainer's own log-probs and experts (no replay,
-        no grad) against the engine's, on the diagnostic rows of the batch, before any update."""
+        no grad) against the engine's, on the diagnostic rows of the batch, before any update: a forward of
+        their own, for routing replay's training forwards replay the engine's experts."""
         rows = self.routing.diagnostic_rows(batch)
         train_logp, metrics = self.routing.before_update(rows, self.shared_logprobs)
-        completion_mask = rows.attention_mask[:, -rows.completion_len :]
-        return {**metrics, **mismatch_metrics(train_logp, rows.rollout_logp, completion_mask)}
+        return {**metrics, **engine_mismatch(rows, train_logp)}
+
+    def measured_in_update(self, batch: RolloutBatch) -> bool:
+        """Whether the first mini-batch's forwards (torch.chunk's first: ceil(B / minibatches) rows) measure the
+        mismatch and the routing before the updates, instead of a forward of their own."""
+        first = -(-len(batch.rewards) // self.train_cfg.minibatches)
+        return self.routing.measures_in_training(first, len(batch.rewards))
+
+    def mismatch_measured(self, rows: RolloutBatch, train_logp: torch.Tensor, trace) -> dict[str, float]:
+        """The same metrics from the trainer's log-probs `train_logp` [B, C] and experts `trace` on `rows`, taken
+        by forwards that ran before any update anyway (the first mini-batch's, without replay)."""
+        return {**self.routing.measured_before(rows, trace), **engine_mismatch(rows, train_logp)}
 
     def score(self, step: int, examples: list[Example], completions: Completions) -> Scores:
         """The reward functions' scores of this round's completions (gspo_lab.rewards): each function gets the
@@ -150,6 +172,25 @@ class RolloutCollection:
             "rollout/completions": float(len(batch.rewards)),  # this rank's; the mean over ranks is logged
             "rollout/width": float(batch.input_ids.shape[1]),  # padded prompt + completion positions per row
         }
+
+
+def engine_mismatch(rows: RolloutBatch, train_logp: torch.Tensor) -> dict[str, float]:
+    """mismatch/* of the trainer's log-probs [B, C] of `rows` against the engine's (`mismatch_metrics`)."""
+    return mismatch_metrics(train_logp, rows.rollout_logp, rows.attention_mask[:, -rows.completion_len :])
+
+
+def one_batch(parts: list[Completions], traces: list[RoutingTrace | None], pad_id: int
+              ) -> tuple[Completions, RoutingTrace | None]:
+    """The completions of several `generate` calls as one batch, re-padded to the widest prompt (left) and
+    completion (right), their routing traces with them (None where routing records nothing)."""
+    if len(parts) == 1:
+        return parts[0], traces[0]
+    prompt_len = max(part.prompt_ids.shape[1] for part in parts)
+    completion_len = max(part.completion_ids.shape[1] for part in parts)
+    completions = Completions.cat([part.padded(prompt_len, completion_len, pad_id) for part in parts])
+    if traces[0] is None:
+        return completions, None
+    return completions, RoutingTrace.cat([t.realigned(prompt_len, prompt_len + completion_len) for t in traces])
 
 
 def reward_inputs(examples: list[Example], completions: Completions) -> tuple[list, list, list[list[int]], dict]:

@@ -66,7 +66,7 @@ def merge_rounds(rounds: list[SampledRound], group_size: int, needed: int, pad_i
     parts = [(r, index) for r, index in zip(rounds, rows) if len(index)]
     prompt_len = max(r.completions.prompt_ids.shape[1] for r, _ in parts)
     completion_len = max(r.completions.completion_ids.shape[1] for r, _ in parts)
-    completions = [padded(r.completions.rows(index), prompt_len, completion_len, pad_id) for r, index in parts]
+    completions = [r.completions.rows(index).padded(prompt_len, completion_len, pad_id) for r, index in parts]
     traces = [r.rollout_trace.rows(index).realigned(prompt_len, prompt_len + completion_len)
               for r, index in parts if r.rollout_trace is not None]
     merged = SampledRound(
@@ -79,20 +79,3 @@ def merge_rounds(rounds: list[SampledRound], group_size: int, needed: int, pad_i
     unfilled = needed - int(informative_groups(merged.rewards, group_size).sum())
     return merged, unfilled
 
-
-def padded(completions: Completions, prompt_len: int, completion_len: int, pad_id: int) -> Completions:
-    """`completions` with its prompts left-padded to `prompt_len` and completions right-padded to
-    `completion_len` columns (pad tokens, mask 0, log-prob 0)."""
-    left = prompt_len - completions.prompt_ids.shape[1]
-    right = completion_len - completions.completion_ids.shape[1]
-    pad = torch.nn.functional.pad
-    logprobs = completions.logprobs
-    return Completions(
-        prompt_ids=pad(completions.prompt_ids, (left, 0), value=pad_id),
-        prompt_mask=pad(completions.prompt_mask, (left, 0), value=0),
-        completion_ids=pad(completions.completion_ids, (0, right), value=pad_id),
-        completion_mask=pad(completions.completion_mask, (0, right), value=0),
-        truncated=completions.truncated,
-        texts=completions.texts,
-        logprobs=None if logprobs is None else pad(logprobs, (0, right), value=0.0),
-    )

@@ -1,20 +1,32 @@
 """Sampling completions with transformers' `generate` (KV cache), cut at EOS, with documented shapes.
 
-Sampling follows the arguments alone (`sampling_config`): nothing of a checkpoint's saved `generation_config`
-(repetition_penalty, min_p, its top_k default, stop strings, ...) reaches `generate`, so the distribution the
-old log-probs describe is the one sampled from. N prompts, P prompt positions (left-padded), C completion
-positions (right-padded after EOS).
+Sampling follows the arguments alone (`sampling_config`, `RowSampler`): nothing of a checkpoint's saved
+`generation_config` (repetition_penalty, min_p, its top_k default, stop strings, ...) reaches `generate`, so the
+distribution the old log-probs describe is the one sampled from. Each row samples from its own random stream
+(`row_seeds`), so a row's tokens do not depend on which rows share its `generate` call
+(rollout.generation_batch_size). N prompts, P prompt positions (left-padded), C completion positions
+(right-padded after EOS).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
-from transformers import Cache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    Cache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from gspo_lab.decoder import decoder_of
 from gspo_lab.routing.hooks import CallView, call_view
@@ -42,6 +54,21 @@ class Completions:
         return Completions(**{name: value[index] if isinstance(value, Tensor) else
                               [value[i] for i in index.tolist()] if isinstance(value, list) else value
                               for name, value in values.items()})
+
+    def padded(self, prompt_len: int, completion_len: int, pad_id: int) -> Completions:
+        """These completions with their prompts left-padded to `prompt_len` and completions right-padded to
+        `completion_len` columns (pad tokens, mask 0, log-prob 0)."""
+        left, right = prompt_len - self.prompt_ids.shape[1], completion_len - self.completion_ids.shape[1]
+        pad = torch.nn.functional.pad
+        return Completions(
+            prompt_ids=pad(self.prompt_ids, (left, 0), value=pad_id),
+            prompt_mask=pad(self.prompt_mask, (left, 0), value=0),
+            completion_ids=pad(self.completion_ids, (0, right), value=pad_id),
+            completion_mask=pad(self.completion_mask, (0, right), value=0),
+            truncated=self.truncated,
+            texts=self.texts,
+            logprobs=None if self.logprobs is None else pad(self.logprobs, (0, right), value=0.0),
+        )
 
     @staticmethod
     def cat(parts: list[Completions]) -> Completions:
@@ -77,10 +104,13 @@ def generate(
     share_prompts: bool = False,
     stop_token_ids: Sequence[int] = (),
     add_special_tokens: bool = True,
+    row_seeds: Tensor | None = None,
 ) -> Completions:
     """Generate one completion per prompt (repeat prompts for groups), in eval mode. No top-k truncation is
     applied, so samples come from softmax(logits / temperature), optionally nucleus-filtered by `top_p`, and from
-    nothing else (`sampling_config`). With `return_logprobs`, log softmax(logits / temperature) at each sampled
+    nothing else (`sampling_config`, `RowSampler`). Row n samples from its own stream, seeded by `row_seeds[n]`
+    ([N] int64; default: drawn from torch's global generator), so a row's completion is the same whatever other
+    rows share the call (to float rounding of the logits). With `return_logprobs`, log softmax(logits / temperature) at each sampled
     token is returned as well (the model's raw logits: the un-truncated distribution, as training computes it,
     also when `top_p` < 1), gathered step by step (`StepLogprobs`). Decoding runs under `torch.inference_mode` (5-9%
     faster than `no_grad` at the anchor workload's size, same numbers; `no_grad` for an FSDP-sharded model,
@@ -92,10 +122,23 @@ def generate(
     rendered by a chat template, which hold their own special tokens (TRL tokenizes them so too)."""
     sharded = is_sharded(model)
     stop = stop_ids(tokenizer, model, stop_token_ids)
+    sampler = None
+    if not greedy:
+        if row_seeds is None:
+            row_seeds = draw_row_seeds(len(prompts))
+        if len(row_seeds) != len(prompts):
+            raise ValueError(f"generate: {len(row_seeds)} row_seeds for {len(prompts)} prompts; give one per prompt")
+        sampler = RowSampler(row_seeds, max_new_tokens, temperature, top_p)
     with torch.no_grad() if sharded else torch.inference_mode():
-        completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greedy, suppress_eos,
+        completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, suppress_eos,
                               return_logprobs, share_prompts, sharded, stop, add_special_tokens)
     return completions.cloned()
+
+
+def draw_row_seeds(rows: int) -> Tensor:
+    """[rows] int64 seeds of rows' sampling streams, drawn from torch's global generator (one draw whatever
+    the rows' later split into `generate` calls)."""
+    return torch.randint(0, 2**62, (rows,), dtype=torch.int64)
 
 
 def stop_ids(tokenizer, model, extra: Sequence[int] = ()) -> list[int]:
@@ -114,15 +157,14 @@ def stop_ids(tokenizer, model, extra: Sequence[int] = ()) -> list[int]:
     return list(dict.fromkeys(int(i) for i in found if i is not None))
 
 
-def sampling_config(tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
-                    suppress_eos=False, stop: Sequence[int] | None = None) -> GenerationConfig:
-    """Every setting `generate` decodes with, from the arguments alone (greedy, or sampling from softmax(logits /
-    temperature) with only the `top_p` nucleus filter: top_k=0 overrides transformers' default of 50); decoding
-    stops at any of `stop` (default the tokenizer's EOS)."""
+def sampling_config(tokenizer, max_new_tokens, suppress_eos=False, stop: Sequence[int] | None = None
+                    ) -> GenerationConfig:
+    """Every setting `generate` decodes with, from the arguments alone: its own choice is the greedy one, which
+    for sampling is the token a `RowSampler` left (no top-k of 50, no other default of transformers' sampling);
+    decoding stops at any of `stop` (default the tokenizer's EOS)."""
     eos = list(stop) if stop else [tokenizer.eos_token_id]
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     return GenerationConfig(
-        **sampling,
+        do_sample=False,
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens if suppress_eos else 0,
         suppress_tokens=eos if suppress_eos else None,
@@ -179,6 +221,57 @@ def prefill_distinct_prompts(model: PreTrainedModel, input_ids: Tensor, attentio
     return cache
 
 
+class RowSampler(LogitsProcessor):
+    """Sampling from softmax(logits / temperature), nucleus-filtered by `top_p` (transformers' own warpers), with
+    row n's t-th token drawn by inverse CDF from its own uniform u[n, t] (`row_uniforms`): the first token whose
+    cumulative probability exceeds u[n, t] (`inverse_cdf`). What it returns keeps only that token (0, the rest
+    -inf), so `generate`'s greedy choice takes it. A row's draws depend on its seed alone, not on the rows beside
+    it (vLLM seeds each request's sampling the same way). Runs after transformers' own processors (min_new_tokens,
+    suppressed tokens), as its warpers would. Memory: one [N, V] float64 cumulative sum per step."""
+
+    def __init__(self, row_seeds: Tensor, steps: int, temperature: float, top_p: float) -> None:
+        self.uniforms = row_uniforms(row_seeds, steps)  # [N, steps] float64, CPU
+        self.warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+        self.step = 0
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)  # [N, V]
+        if self.step == 0:
+            self.uniforms = self.uniforms.to(scores.device)
+        u = self.uniforms[:, min(self.step, self.uniforms.shape[1] - 1)]  # [N]; FSDP's synced steps reuse the last
+        self.step += 1
+        tokens = inverse_cdf(scores.float().softmax(-1), u)  # [N]
+        return torch.full_like(scores, -math.inf).scatter_(-1, tokens[:, None], 0.0)
+
+
+def row_uniforms(row_seeds: Tensor, steps: int) -> Tensor:
+    """[N, steps] float64 uniforms in [0, 1), row n's from a generator seeded with row_seeds[n] alone.
+
+    >>> a, b = row_uniforms(torch.tensor([7, 8]), 3), row_uniforms(torch.tensor([8]), 3)
+    >>> torch.equal(a[1], b[0]), bool(a[0].ne(a[1]).all())
+    (True, True)
+    """
+    streams = [torch.Generator().manual_seed(seed) for seed in row_seeds.tolist()]
+    return torch.stack([torch.rand(steps, dtype=torch.float64, generator=g) for g in streams])
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """[N] the first token of each row of probs [N, V] whose cumulative probability exceeds u [N] (of the row's
+    total): token i with probability probs[i]. A zero-probability token is never drawn, even where u · total
+    rounds up to the total.
+
+    >>> probs = torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.5, 0.0], [0.5, 0.5, 0.0]])
+    >>> inverse_cdf(probs, torch.tensor([0.6, 0.2, 1.0])).tolist()  # cdf [0.5, 0.75, 1]: 0.6 falls in token 1's
+    [1, 0, 1]
+    """
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    total = cdf[:, -1:].contiguous()  # [N, 1]
+    drawn = torch.searchsorted(cdf, u[:, None].to(cdf) * total, right=True)  # first cdf > u · total
+    last = torch.searchsorted(cdf, total)  # the last token with probability: the first to reach the total
+    return torch.minimum(drawn, last).squeeze(-1)
+
+
 class StepLogprobs:
     """log softmax(logits / temperature) of each token `generate` samples, gathered step by step from the model's
     raw logits (before any processor: the un-truncated distribution training computes). A forward hook keeps the
@@ -217,11 +310,11 @@ class StepLogprobs:
         return torch.cat(steps, 1)
 
 
-def _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greedy, suppress_eos,
+def _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, suppress_eos,
             return_logprobs, share_prompts, sharded, stop, add_special_tokens) -> Completions:
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
-    config = sampling_config(tokenizer, max_new_tokens, temperature, top_p, greedy, suppress_eos, stop)
+    config = sampling_config(tokenizer, max_new_tokens, suppress_eos, stop)
     was_training = model.training
     model.eval()
     # FSDP: every decoder call gathers parameters from all ranks, so every rank must make the same calls: no
@@ -234,7 +327,8 @@ def _sample(model, tokenizer, prompts, max_new_tokens, temperature, top_p, greed
     prefilled = {} if cache is None else {"past_key_values": cache}
     step_logprobs = StepLogprobs(temperature) if return_logprobs else None
     with only_this_generation_config(model, config), step_logprobs.hooked(model) if step_logprobs else nullcontext():
-        output = model.generate(**encoded, generation_config=config, synced_gpus=synced, **prefilled)
+        output = model.generate(**encoded, generation_config=config, synced_gpus=synced, **prefilled,
+                                logits_processor=LogitsProcessorList([sampler] if sampler else []))
     model.train(was_training)
     prompt_len = encoded["input_ids"].shape[1]
     completion_ids = output.sequences[:, prompt_len:]

@@ -5,10 +5,14 @@ Generation always records the rollout engine's experts (the rollout trace). Then
     r2   the old-policy forward records; every training forward of that rollout batch replays (needs
          rollout.logprobs_from_generation=false)
     r3   the old-policy forward (if any) and every training forward replay the rollout trace
-Whatever the mode, the first `routing.diagnostics_rows` rows of the rollout batch get a no-grad trainer forward
-without replay before the updates (`before_update`: the trainer's own experts, compared with the engine's as
-routing/rollout_disagreement and routing/rollout_disagreement_tokens) and another after them (`diagnostics`:
-routing/changed_frac and per layer, routing/changed_tokens_frac; under replay also routing/override_frac).
+Whatever the mode, the trainer's own experts (no replay) are recorded on some rows of the rollout batch before the
+updates (compared with the engine's as routing/rollout_disagreement and routing/rollout_disagreement_tokens;
+`measured_before`) and again after them (`diagnostics`: routing/changed_frac and per layer,
+routing/changed_tokens_frac; under replay also routing/override_frac), on at most `routing.diagnostics_rows` rows.
+Without replay the first mini-batch's training forwards, which run before any update, are the before-update
+forward when it holds that many rows (`measures_in_training`, `recording`); otherwise (and under r2 and r3, whose
+training forwards replay) the first diagnostics_rows rows of the batch get a no-grad forward of their own
+(`before_update`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class RoutingReplay:
         self.diagnostics_rows = diagnostics_rows
         self._generation_trace: RoutingTrace | None = None
         self._before: RoutingTrace | None = None  # the trainer's experts on the diagnostics rows, before updates
+        self._rows = None  # those rows (a RolloutBatch)
         self._stats = ReplayStats()
 
     @contextmanager
@@ -96,35 +101,53 @@ class RoutingReplay:
         self._stats.replayed += stats.replayed
 
     def diagnostic_rows(self, batch):
-        """The first `diagnostics_rows` rows of the batch (whole groups), on which routing and mismatch are
-        measured."""
+        """The first `diagnostics_rows` rows of the batch (whole groups), measured by `before_update`."""
         rows = len(batch.rewards) if self.diagnostics_rows is None else min(self.diagnostics_rows, len(batch.rewards))
         return batch.rows(torch.arange(rows, device=batch.input_ids.device))
 
-    def before_update(self, rows, logprobs: Callable) -> tuple[torch.Tensor, dict[str, float]]:
-        """The trainer's own log-probs of the diagnostic `rows` before the updates (no grad, no replay), and
-        how its experts differ from the rollout engine's on the same tokens."""
-        with torch.no_grad(), (record_routing(self.model) if self.moe else nullcontext()) as trace:
-            train_logp, _ = logprobs(rows)
-        self._before = trace
-        if not self.moe or rows.rollout_trace is None:
-            return train_logp, {}
-        differ = changed_fraction(rows.rollout_trace, trace, rows.attention_mask)
-        return train_logp, {"routing/rollout_disagreement": differ["routing/changed_frac"],
-                            "routing/rollout_disagreement_tokens": differ["routing/changed_tokens_frac"]}
+    def measures_in_training(self, minibatch_rows: int, batch_rows: int) -> bool:
+        """Whether the first mini-batch's forwards, which run before any update, stand for the before-update
+        forward (`recording`): when training forwards route as the trainer itself does (no replay hooks) and the
+        mini-batch holds as many rows as the diagnostics measure."""
+        needed = batch_rows if self.diagnostics_rows is None else min(self.diagnostics_rows, batch_rows)
+        return not self.replays_in_training and minibatch_rows >= needed
 
-    def diagnostics(self, batch, logprobs: Callable) -> dict[str, float]:
-        """Routing change of the diagnostic rows after the updates against `before_update`'s (one more no-grad
-        forward)."""
+    def recording(self):
+        """Around a forward that stands for the before-update one: records its experts (yields the trace; None
+        for a dense model). Only the forward: a checkpointed backward's recomputation must not add calls."""
+        return record_routing(self.model) if self.moe else nullcontext()
+
+    def before_update(self, rows, logprobs: Callable) -> tuple[torch.Tensor, dict[str, float]]:
+        """The trainer's own log-probs of `rows` before the updates (no grad, no replay) and `measured_before`'s
+        metrics."""
+        with torch.no_grad(), self.recording() as trace:
+            train_logp, _ = logprobs(rows)
+        return train_logp, self.measured_before(rows, trace)
+
+    def measured_before(self, rows, trace: RoutingTrace | None) -> dict[str, float]:
+        """The trainer's experts `trace` on `rows` before the updates: kept for `diagnostics` on the first
+        diagnostics_rows of them, and compared with the engine's on all of them."""
+        if not self.moe:
+            return {}
+        kept = torch.arange(len(rows.rewards) if self.diagnostics_rows is None
+                            else min(self.diagnostics_rows, len(rows.rewards)))
+        self._rows, self._before = rows.rows(kept.to(rows.input_ids.device)), trace.rows(kept)
+        if rows.rollout_trace is None:
+            return {}
+        differ = changed_fraction(rows.rollout_trace, trace, rows.attention_mask)
+        return {"routing/rollout_disagreement": differ["routing/changed_frac"],
+                "routing/rollout_disagreement_tokens": differ["routing/changed_tokens_frac"]}
+
+    def diagnostics(self, logprobs: Callable) -> dict[str, float]:
+        """Routing change of the rows `measured_before` kept, after the updates (one more no-grad forward)."""
         if not self.moe or self._before is None:
             return {}
-        batch = self.diagnostic_rows(batch)
         with torch.no_grad(), record_routing(self.model) as current:
-            logprobs(batch)
-        metrics = changed_fraction(self._before, current, batch.attention_mask)
+            logprobs(self._rows)
+        metrics = changed_fraction(self._before, current, self._rows.attention_mask)
         if self.mode != "off":
             metrics["routing/override_frac"] = self._stats.override_frac
             self._stats = ReplayStats()
         metrics["routing/trace_bytes_per_token"] = self._before.bytes_per_token()
-        self._before = None
+        self._before = self._rows = None
         return metrics
