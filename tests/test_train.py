@@ -121,6 +121,24 @@ def test_routing_modes_run_and_log_diagnostics(overrides, mode, compose, rl_over
     assert float(rows[0]["routing/trace_bytes_per_token"]) == 1 * 2 + 1  # one layer, top-2, uint8 + flag
 
 
+@pytest.mark.parametrize("mode", ["off", "r3"])
+def test_diagnostics_every_k_steps_run_their_forwards_on_those_steps_only(mode, compose, rl_overrides, tmp_path):
+    """routing.diagnostics_every=2 over 3 RL steps: the routing change after the updates (and under r3 the
+    mismatch's forward of its own) on steps 0 and 2 only; override_frac, and without replay the mismatch measured
+    on the first mini-batch's forwards, every step."""
+    run, module, _ = build(compose(rl_overrides + ["routing.diagnostics_every=2", "train.steps=3",
+                                                   "routing.diagnostics_rows=8", f"routing.replay={mode}"]))
+    forwards = {"before": 0}
+    mismatch = module.mismatch
+    module.mismatch = lambda batch: forwards.__setitem__("before", forwards["before"] + 1) or mismatch(batch)
+    run.trainer.fit(module)
+    steps = [row for row in module.history if "reward/mean" in row]
+    assert [("routing/changed_frac" in row) for row in steps] == [True, False, True]
+    assert all(("mismatch/kl" in row) == (mode == "off" or i != 1) for i, row in enumerate(steps))
+    assert all(("routing/override_frac" in row) == (mode == "r3") for row in steps)
+    assert forwards["before"] == (2 if mode == "r3" else 0)
+
+
 def test_r2_cannot_take_old_logprobs_from_generation(compose, rl_overrides):
     with pytest.raises(ValueError, match="routing.replay='r2' is invalid: r2 records experts in the old-policy"):
         train(compose(rl_overrides + ["algorithm=grpo_rr", "rollout.logprobs_from_generation=true"]))

@@ -208,10 +208,16 @@ class RoutingConfig:
             experts before the updates (the first mini-batch's own forwards where they route freely and hold this
             many rows, else the batch's first rows, whole groups, in a no-grad forward) against one more no-grad
             forward after them; null measures all rows.
+        diagnostics_every: run the forwards that exist only for the routing and mismatch diagnostics (the one
+            after the updates; under replay, or when the first mini-batch is smaller than diagnostics_rows, the
+            one before them too) every this many RL steps, from step 0. Their metrics mean the same on the steps
+            they are logged; routing/override_frac and the mismatch measured on the first mini-batch's own
+            forwards cost nothing and are logged every step.
     """
 
     replay: str = "off"
     diagnostics_rows: int | None = 32
+    diagnostics_every: int = 1
 
     def __post_init__(self) -> None:
         if self.replay is False:
@@ -219,6 +225,7 @@ class RoutingConfig:
         _require(self.replay in REPLAY_MODES, "routing.replay", self.replay, f"must be one of {list(REPLAY_MODES)}")
         if self.diagnostics_rows is not None:
             _positive_int("routing.diagnostics_rows", self.diagnostics_rows)
+        _positive_int("routing.diagnostics_every", self.diagnostics_every)
 
     def check_against(self, rollout: RolloutConfig) -> None:
         _require(not (self.replay == "r2" and rollout.logprobs_from_generation), "routing.replay", self.replay,

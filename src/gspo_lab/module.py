@@ -111,6 +111,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         self.reference = frozen_copy(model) if self.kl_penalty and lora is None else None
         self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
         self.routing = RoutingReplay(model, routing.replay, diagnostics_rows=routing.diagnostics_rows)
+        self.diagnostics_every = routing.diagnostics_every
         self.engine = RolloutEngine(model, rollout.engine)  # the trainer's model itself unless configured
         self.prompts = PromptSchedule(task, rollout.prompts_per_step, seed)
         self.render = (prompt or PromptFormat()).bind(tokenizer)
@@ -256,7 +257,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         metrics = combine(collected)
         metrics["train/skipped_updates"] = float(skipped)
         metrics.update(diagnostics)
-        metrics.update(self.routing.diagnostics(self.shared_logprobs))
+        metrics.update(self.routing.diagnostics(self.shared_logprobs, measure=self.diagnosing(self.rl_step)))
         return metrics
 
     # ---- pieces -------------------------------------------------------------------------------------------
@@ -335,6 +336,10 @@ class RLModule(RolloutCollection, L.LightningModule):
     def shared_logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """`logprobs` of the policy with each prompt run once, for forwards that only record routing."""
         return self.logprobs(batch, share_prompts=True)
+
+    def diagnosing(self, step: int) -> bool:
+        """Whether RL step `step` runs the forwards that serve only the diagnostics (routing.diagnostics_every)."""
+        return step % self.diagnostics_every == 0
 
     def grad_norm(self) -> torch.Tensor:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]

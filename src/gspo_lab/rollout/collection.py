@@ -57,7 +57,8 @@ class RolloutCollection:
             rollout_logp=completions.logprobs,
             rollout_trace=rollout_trace,
         ).to(self.device)
-        if not self.measured_in_update(batch):  # else the first mini-batch's own forwards measure it (update)
+        # a forward of its own, on diagnostic steps, unless the first mini-batch's own forwards measure it (update)
+        if not self.measured_in_update(batch) and self.diagnosing(step):
             started = time.perf_counter()
             metrics.update(self.mismatch(batch))
             metrics["time/mismatch_s"] = time.perf_counter() - started

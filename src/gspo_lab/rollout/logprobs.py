@@ -63,12 +63,17 @@ def head_transform(model: PreTrainedModel) -> Callable[[Tensor], Tensor]:
 
 
 def _chunk_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, transform, temperature: float):
-    """hidden [R, C, H], targets [R, C] -> log p(target) [R, C] and entropy [R, C] (no gradient)."""
-    logits = transform(head(hidden)).float() / temperature  # [R, C, V]: the model's logits, then generation's warper
+    """hidden [R, C, H], targets [R, C] -> log p(target) [R, C] and entropy [R, C] (no gradient). At most two
+    [R, C, V] tensors alive in the forward (the logits are freed once the log-softmax is taken, the entropy's
+    p log p is formed in place) and three in the backward (the log-softmax and two gradients)."""
+    logits = transform(head(hidden)).float()  # [R, C, V]: the model's logits
+    if temperature != 1:  # generation's warper; x / 1 is x, so skipping it changes no value
+        logits = logits / temperature
     log_probs = logits.log_softmax(-1)  # [R, C, V], the very op a full log-softmax and generation use
+    del logits
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [R, C] log p(target)
     with torch.no_grad():
-        entropy = -(log_probs.exp() * log_probs).sum(-1)  # H = -sum_v p log p
+        entropy = -log_probs.exp().mul_(log_probs).sum(-1)  # H = -sum_v p log p
     return logp, entropy
 
 

@@ -138,16 +138,19 @@ class RoutingReplay:
         return {"routing/rollout_disagreement": differ["routing/changed_frac"],
                 "routing/rollout_disagreement_tokens": differ["routing/changed_tokens_frac"]}
 
-    def diagnostics(self, logprobs: Callable) -> dict[str, float]:
-        """Routing change of the rows `measured_before` kept, after the updates (one more no-grad forward)."""
-        if not self.moe or self._before is None:
+    def diagnostics(self, logprobs: Callable, measure: bool = True) -> dict[str, float]:
+        """Routing change of the rows `measured_before` kept, after the updates (one more no-grad forward; not
+        when `measure` is false), and under replay the step's override fraction."""
+        if not self.moe:
             return {}
-        with torch.no_grad(), record_routing(self.model) as current:
-            logprobs(self._rows)
-        metrics = changed_fraction(self._before, current, self._rows.attention_mask)
+        metrics = {}
+        if measure and self._before is not None:
+            with torch.no_grad(), record_routing(self.model) as current:
+                logprobs(self._rows)
+            metrics = changed_fraction(self._before, current, self._rows.attention_mask)
+            metrics["routing/trace_bytes_per_token"] = self._before.bytes_per_token()
         if self.mode != "off":
             metrics["routing/override_frac"] = self._stats.override_frac
             self._stats = ReplayStats()
-        metrics["routing/trace_bytes_per_token"] = self._before.bytes_per_token()
         self._before = self._rows = None
         return metrics
