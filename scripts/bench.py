@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import re
 import resource
 import statistics
@@ -40,6 +41,7 @@ from gspo_lab import CONFIG_DIR
 from gspo_lab.models.lora import apply_lora
 from gspo_lab.module import RLModule
 from gspo_lab.report.run import step_rows
+from gspo_lab.routing import is_moe
 from gspo_lab.train import train
 
 
@@ -109,6 +111,28 @@ def active_parameters(model: torch.nn.Module) -> float:
     return total
 
 
+def nan_median(values) -> float:
+    """The median of the values that are not NaN (a metric logged on some steps only); NaN if none is."""
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.median(kept) if kept else math.nan
+
+
+def old_forward_units(cfg) -> int:
+    """Model FLOPs of the old log-probs per (active parameter x token): a no-grad forward, unless from generation."""
+    return 0 if cfg.rollout.logprobs_from_generation else 2
+
+
+def diagnostic_units(cfg, moe: bool, completions: float) -> float:
+    """Model FLOPs of the diagnostics' own forwards per (active parameter x token), averaged over
+    routing.diagnostics_every steps: the forward before the updates where the first mini-batch's forwards do not
+    measure it (under replay, or a first mini-batch smaller than routing.diagnostics_rows), and for an MoE the
+    routing forward after them, each over diagnostics_rows of the batch's rows."""
+    rows = min(cfg.routing.diagnostics_rows or completions, completions)
+    first = math.ceil(completions / cfg.train.minibatches)  # torch.chunk's first mini-batch
+    own_before = (moe and cfg.routing.replay != "off") or first < rows
+    return 2 * rows / completions * (int(own_before) + int(moe)) / cfg.routing.diagnostics_every
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="bench_anchor", help="an experiment in conf/experiment")
@@ -121,7 +145,7 @@ def main() -> None:
                                           *args.overrides])
         source = instantiate(cfg.model)
         model, _ = source.load(instantiate(cfg.task))  # task_bpe trains on the task
-        active = active_parameters(model)
+        active, moe = active_parameters(model), is_moe(model)
         parameter_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         if source.lora.enabled:
             model = apply_lora(model, source.lora).model
@@ -143,15 +167,13 @@ def main() -> None:
             for name, method in originals.items():
                 setattr(RLModule, name, method)
         rows = step_rows(out, skip=2)
-    median = {k: statistics.median(r[k] for r in rows) for k in
+    median = {k: nan_median(r.get(k, math.nan) for r in rows) for k in
               ("time/generate_s", "time/old_logprobs_s", "time/update_s", "time/rollout_s", "rollout/width",
                "rollout/completions", "throughput/tokens_per_s")}
     step = median["time/rollout_s"] + median["time/update_s"]
     tokens = median["rollout/completions"] * median["rollout/width"]
-    diagnosed = cfg.routing.diagnostics_rows or median["rollout/completions"]
-    diagnostics_share = min(1.0, diagnosed / median["rollout/completions"])  # its forward covers these rows
-    old_forward = 0 if cfg.rollout.logprobs_from_generation else 2  # no second forward when generation gives them
-    flops = (2 + old_forward + 2 * diagnostics_share + 6) * active * tokens  # generation, old, diagnostics, training
+    flops = (2 + old_forward_units(cfg) + diagnostic_units(cfg, moe, median["rollout/completions"]) + 6) \
+        * active * tokens  # generation, old log-probs, diagnostics, training
     rate = matmul_rate(dtype, device)
     # the phases' peaks (resetting the peak also resets what getrusage reports), and the peak since the last phase
     peak = max([phases.read(), *(p for peaks in phases.peaks.values() for p in peaks)])
@@ -160,8 +182,9 @@ def main() -> None:
     print(f"  seconds per RL step   {step:.4f}")
     print(f"    generation          {median['time/generate_s']:.4f}")
     print(f"    old log-probs       {median['time/old_logprobs_s']:.4f}")
-    mismatch_s = statistics.median(r["time/mismatch_s"] for r in rows)  # the trainer-vs-engine forward
-    print(f"    mismatch forward    {mismatch_s:.4f} (diagnostic rows, part of the rollout)")
+    mismatch_s = nan_median(r.get("time/mismatch_s", math.nan) for r in rows)
+    print(f"    mismatch            {mismatch_s:.4f} (a forward of its own, part of the rollout, under replay or when the "
+          "first mini-batch is smaller than routing.diagnostics_rows; else measured inside the updates)")
     if cfg.objective.beta > 0:  # a frozen copy of the policy, one no-grad forward per rollout batch
         reference_s = statistics.median(r["time/ref_logprobs_s"] for r in rows)
         weights = "none: the model with adapters disabled" if source.lora.enabled else f"{parameter_mib:.1f} MiB"

@@ -8,8 +8,9 @@ experts top-4), the task_bpe tokenizer, reasoning-gym word_sorting prompts of ab
 completions of 44 tokens. Both sides start from the same randomly initialised model, tokenizer and prompts,
 GSPO (sequence-level importance sampling, the workload's clip range, beta 0). Both are timed the same
 way: wall-clock intervals between the ends of consecutive RL steps, after `--warmup` steps. gspo-lab
-additionally runs its routing diagnostics and mismatch forwards every step (TRL has none), so the comparison is
-not tilted in its favour.
+additionally runs its diagnostics every step (TRL has none: on an MoE the routing forward after the updates, and
+the mismatch to the engine, measured on the first mini-batch's own forwards), so the comparison is not tilted
+in its favour.
 
 A third run per round times the floor of gspo-lab's step (`time_floor`): only the model's own forwards and
 backwards that any framework must run for the step with this transformers model (the prompts' prefill, one
@@ -59,6 +60,7 @@ from trl import GRPOConfig, GRPOTrainer
 from gspo_lab import CONFIG_DIR
 from gspo_lab.rollout.generation import generate, position_ids, prefill_distinct_prompts
 from gspo_lab.rollout.logprobs import token_logprobs
+from gspo_lab.routing import is_moe
 from gspo_lab.tasks.base import Example
 from gspo_lab.train import build
 
@@ -79,8 +81,13 @@ def median_interval(stamps: list[float], warmup: int) -> float:
 class LightningClock(L.Callback):
     """Timestamps at the end of every gspo-lab RL step (one Lightning batch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, peaks: PhasePeaks | None = None) -> None:
         self.stamps: list[float] = []
+        self.peaks = peaks
+
+    def on_train_start(self, *args, **kwargs) -> None:  # the model is on its device now
+        if self.peaks is not None:
+            self.peaks.reset()
 
     def on_train_batch_end(self, *args, **kwargs) -> None:
         self.stamps.append(now())
@@ -107,9 +114,8 @@ def workload_config(workload: str, out: str, steps: int, overrides: list[str] = 
 def time_gspo_lab(workload: str, steps: int, warmup: int, overrides: list[str], peaks: PhasePeaks) -> float:
     with tempfile.TemporaryDirectory() as out:
         run, module, _ = build(workload_config(workload, out, steps, overrides))
-        clock = LightningClock()
+        clock = LightningClock(peaks)
         run.trainer.callbacks.append(clock)
-        peaks.reset()
         run.trainer.fit(module)
     return median_interval(clock.stamps, warmup)
 
@@ -179,7 +185,9 @@ def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str | N
         minibatches = cfg.train.minibatches
         rows = prompts * group // minibatches  # a mini-batch
         micro = cfg.train.micro_batch_size or rows
-        accumulation = -(-rows // micro)
+        if rows % micro:  # TRL's generation batch is micro x accumulation rows: it would sample more than gspo-lab
+            raise ValueError(f"train.micro_batch_size={micro} must divide the {rows}-row mini-batch for TRL")
+        accumulation = rows // micro
         task = instantiate(cfg.task)
         torch.manual_seed(seed)
         model, tokenizer = instantiate(cfg.model).load(task)
@@ -250,7 +258,7 @@ def child(side: str, length: int | None, seed: int, args) -> dict[str, float]:
 def sides_of(workload: str) -> list[str]:
     """gspo-lab, its floor and TRL, twice for a MoE model (transformers' expert kernel and gspo-lab's)."""
     with tempfile.TemporaryDirectory() as out:
-        moe = workload_config(workload, out, 1).model.get("experts_implementation") is not None
+        moe = is_moe(instantiate(workload_config(workload, out, 1).model).skeleton())
     return ["gspo-lab", "floor"] + (["TRL grouped_mm", "TRL index_add"] if moe else ["TRL"])
 
 

@@ -83,7 +83,8 @@ class RolloutConfig:
         stop_token_ids: token ids that end a completion, besides the tokenizer's EOS and every EOS of the
             checkpoint's generation config (a chat model's end of turn).
         generation_batch_size: rows per `generate` call (None: all of a rank's rows at once). Every row samples
-            from its own seeded stream, so the samples do not depend on it (to float rounding of the logits).
+            from its own seeded stream, so the samples do not depend on it (to float rounding of the logits), except
+            under engine.router_noise, whose noise is drawn for each call's rows together.
         engine: how the rollout engine differs from the trainer (`EngineConfig`; the default: not at all).
     """
 

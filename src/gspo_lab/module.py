@@ -10,8 +10,9 @@ One RL step is one `training_step`:
    `objective.beta > 0`, the frozen reference policy's log-probs from one more no-grad forward;
 4. `train.minibatches` shuffled mini-batches, one optimizer step each, with gradient clipping; the trainer's own
    log-probs and experts before any update against the engine's (mismatch/*, routing/rollout_disagreement*) are
-   those of the first mini-batch's forwards (without replay) or of a no-grad forward of the diagnostic rows in
-   step 2 (under replay), and the routing change of those rows after the updates closes the step;
+   those of the first mini-batch's forwards (without replay, when it holds routing.diagnostics_rows rows) or of a
+   no-grad forward of the diagnostic rows in step 2, and the routing change of those rows after the updates
+   closes the step;
 5. metrics reduced across ranks and written once, with `step` = the RL step.
 Steps 1-3 are the rollout half (gspo_lab.rollout.collection.RolloutCollection, mixed in); this file holds the
 Lightning plumbing and the updates. The algorithm only chooses the objective (and the routing replay mode).

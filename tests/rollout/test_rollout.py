@@ -5,7 +5,7 @@ import torch
 
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import PromptSchedule, generate, token_logprobs
-from gspo_lab.rollout.generation import RowSampler, StepLogprobs, position_ids
+from gspo_lab.rollout.generation import RowSampler, StepLogprobs, inverse_cdf, position_ids
 from gspo_lab.tasks import Arithmetic
 from tests.numerics import assert_rounding_close, logit_scale
 
@@ -107,6 +107,44 @@ def test_the_row_sampler_draws_from_the_tempered_nucleus(temperature, top_p):
     assert (counts[~kept] == 0).all()
     error = (expected * (1 - expected) / rows).sqrt()
     assert ((counts / rows - expected).abs() <= 4.5 * error).all(), (counts / rows, expected)
+
+
+def one_level_inverse_cdf(probs, u):
+    """The plain inverse CDF the two-level search stands for: the first float64 cumulative sum past u · total,
+    never past the last token with probability."""
+    cdf = probs.double().cumsum(-1)
+    drawn = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
+    return torch.minimum(drawn, torch.searchsorted(cdf, cdf[:, -1:].contiguous())).squeeze(-1)
+
+
+@pytest.mark.parametrize("block", [7, 1024, 4096])
+def test_the_two_level_inverse_cdf_is_the_plain_one(block):
+    """3,000 tokens (not a multiple of 7 or 1,024; fewer than 4,096), exact zeros everywhere, a row whose mass sits
+    only in the last, shorter block, a one-token row; u at 0, at 1 - 2^-53 and at block boundaries: the plain
+    inverse CDF's token, or where float32 block sums round a boundary the other way a neighbour, never a token
+    without probability."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows = 3000, 6
+    probs = torch.rand(rows, vocab, generator=generator) * (torch.rand(rows, vocab, generator=generator) > 0.5)
+    probs[1] = 0.0
+    probs[1, -3:] = torch.tensor([0.2, 0.0, 0.5])  # mass only in the last (partial) block
+    probs[2] = 0.0
+    probs[2, 1500] = 1.0  # one token
+    probs = probs / probs.sum(-1, keepdim=True)
+    cdf = probs.double().cumsum(-1)
+    boundaries = [cdf[0, min(block, vocab) - 1].item(), cdf[0, 2 * block - 1].item() if 2 * block <= vocab else 0.5]
+    for u_value in [0.0, 1 - 2**-53, *boundaries, 0.25, 0.999]:
+        u = torch.full((rows,), u_value, dtype=torch.float64)
+        drawn = inverse_cdf(probs, u, block=block)
+        assert (probs.gather(1, drawn[:, None]) > 0).all(), u_value
+        assert ((drawn - one_level_inverse_cdf(probs, u)).abs() <= 1).all(), u_value
+    u = torch.rand(rows, 500, dtype=torch.float64, generator=generator)
+    for column in u.T:  # random u: the plain token itself all but (at most) a few times in 3,000
+        assert (probs.gather(1, inverse_cdf(probs, column, block=block)[:, None]) > 0).all()
+    exact = sum(int((inverse_cdf(probs, c, block=block) == one_level_inverse_cdf(probs, c)).sum()) for c in u.T)
+    assert exact >= 3000 - 3
+    with pytest.raises(ValueError, match=r"rows \[0\] have no finite positive probability mass"):
+        inverse_cdf(torch.full((1, vocab), float("nan")), torch.zeros(1), block=block)
 
 
 @pytest.mark.numerics

@@ -28,7 +28,8 @@ class RolloutCollection:
     routing, prompt schedule, task, settings and trainer."""
 
     def collect_rollout(self, step: int, metrics: dict[str, float]) -> RolloutBatch:
-        """This rank's rollout batch; adds the rollout's timings and the engine-trainer mismatch to `metrics`."""
+        """This rank's rollout batch; adds the rollout's timings to `metrics`, and the engine-trainer mismatch where
+        a forward of its own measures it (else the update measures it on the first mini-batch's forwards)."""
         cfg = self.rollout_cfg
         sampled = self.sample_round(step, 0, metrics)
         # reward/* and completion/* describe the policy on the step's own prompts, filtered or not
@@ -116,8 +117,8 @@ class RolloutCollection:
         """Completions from the rollout engine, its weights first refreshed from the trainer's current ones, in
         `generate` calls of rollout.generation_batch_size rows; the engine's own log-probs of the sampled tokens
         are always kept, and its experts when routing records them. Each row samples from its own stream, its seed
-        drawn here for all rows at once, so the samples do not depend on the batch size. Timings add up over a
-        step's rounds."""
+        drawn here for all rows at once, so the samples do not depend on the batch size (unless the engine draws
+        router noise, which it does per call). Timings add up over a step's rounds."""
         cfg = self.rollout_cfg
         started = time.perf_counter()
         self.engine.sync()

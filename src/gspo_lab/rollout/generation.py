@@ -110,9 +110,9 @@ def generate(
     applied, so samples come from softmax(logits / temperature), optionally nucleus-filtered by `top_p`, and from
     nothing else (`sampling_config`, `RowSampler`). Row n samples from its own stream, seeded by `row_seeds[n]`
     ([N] int64; default: drawn from torch's global generator), so a row's completion is the same whatever other
-    rows share the call (to float rounding of the logits). With `return_logprobs`, log softmax(logits / temperature) at each sampled
-    token is returned as well (the model's raw logits: the un-truncated distribution, as training computes it,
-    also when `top_p` < 1), gathered step by step (`StepLogprobs`). Decoding runs under `torch.inference_mode` (5-9%
+    rows share the call (to float rounding of the logits). With `return_logprobs`, log softmax(logits /
+    temperature) at each sampled token is returned as well (the model's raw logits: the un-truncated distribution,
+    as training computes it, also when `top_p` < 1), gathered step by step (`StepLogprobs`). Decoding runs under `torch.inference_mode` (5-9%
     faster than `no_grad` at the anchor workload's size, same numbers; `no_grad` for an FSDP-sharded model,
     whose gathered parameters must stay ordinary tensors); the tensors returned are ordinary ones.
     `share_prompts`: a prompt repeated in `prompts` (a group) is prefilled once (`prefill_distinct_prompts`; not for
@@ -231,8 +231,8 @@ class RowSampler(LogitsProcessor):
 
     def __init__(self, row_seeds: Tensor, steps: int, temperature: float, top_p: float) -> None:
         self.uniforms = row_uniforms(row_seeds, steps)  # [N, steps] float64, CPU
-        self.warpers = ([TemperatureLogitsWarper(temperature)] if temperature != 1 else []) + \
-            ([TopPLogitsWarper(top_p)] if top_p < 1 else [])  # x / 1 is x: a temperature of 1 changes nothing
+        self.warpers = ([TemperatureLogitsWarper(float(temperature))] if temperature != 1 else []) + \
+            ([TopPLogitsWarper(float(top_p))] if top_p < 1 else [])  # x / 1 is x: a temperature of 1 changes nothing
         self.step = 0
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
@@ -278,6 +278,10 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
     if whole < vocab:
         sums.append(probs[:, whole:].sum(-1, keepdim=True))  # the shorter last block
     before = torch.cat(sums, 1).double().cumsum(-1)  # [N, blocks]: the mass up to the end of each block
+    empty = ~(torch.isfinite(before[:, -1]) & (before[:, -1] > 0))  # [N]
+    if bool(empty.any()):  # one wait for the device per decode step, as generate's own stopping check makes
+        raise ValueError(f"sampling: rows {empty.nonzero().flatten().tolist()} have no finite positive probability "
+                         "mass (NaN or infinite logits, or every token suppressed)")
     target = u[:, None].to(before) * before[:, -1:]  # [N, 1] u · total
     chosen = torch.minimum(torch.searchsorted(before, target, right=True),  # first block ending past the target
                            torch.searchsorted(before, before[:, -1:].contiguous()))  # the last block with mass

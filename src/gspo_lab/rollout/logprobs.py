@@ -7,8 +7,8 @@ head's output (`head_transform`: a logit scale, Gemma-style soft-capping), the t
 then run on chunks of the completion positions only: `chunk_rows` rows at a time, and of those rows at most
 `chunk_tokens` (row, token) positions at a time (a chunk of r rows spans chunk_tokens // r completion columns),
 so the largest [*, V] tensor alive has at most `chunk_tokens` positions whatever the completion length (Qwen3's
-151,936-row vocabulary: 32 rows x 1,024 tokens in float32 is 19.9 GB per [rows, C, V] tensor, and a chunk holds
-about four of them; 8,192 positions bound each to 5 GB). In training each chunk is activation-checkpointed, so
+151,936-row vocabulary: 32 rows x 1,024 tokens in float32 is 19.9 GB per [rows, C, V] tensor; a chunk holds at
+most two of them in the forward and three in the backward, and 8,192 positions bound each to 5 GB). In training each chunk is activation-checkpointed, so
 its logits are recomputed in the backward pass instead of kept: peak memory is one chunk's logits. Each row's
 log-softmax is the same `log_softmax` a full [B, T, V] computation (or generation) runs, so the values are
 identical to it, bit for bit (tested), not merely close. `check_logprobs_match` refuses, when a model loads, an
