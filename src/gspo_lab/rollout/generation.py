@@ -112,9 +112,10 @@ def generate(
     ([N] int64; default: drawn from torch's global generator), so a row's completion is the same whatever other
     rows share the call (to float rounding of the logits). With `return_logprobs`, log softmax(logits /
     temperature) at each sampled token is returned as well (the model's raw logits: the un-truncated distribution,
-    as training computes it, also when `top_p` < 1), gathered step by step (`StepLogprobs`). Decoding runs under `torch.inference_mode` (5-9%
-    faster than `no_grad` at the anchor workload's size, same numbers; `no_grad` for an FSDP-sharded model,
-    whose gathered parameters must stay ordinary tensors); the tensors returned are ordinary ones.
+    as training computes it, also when `top_p` < 1), gathered step by step (`StepLogprobs`). Decoding runs under
+    `torch.inference_mode` (5-9% faster than `no_grad` at the anchor workload's size, same numbers; `no_grad` for
+    an FSDP-sharded model, whose gathered parameters must stay ordinary tensors); the tensors returned are ordinary
+    ones.
     `share_prompts`: a prompt repeated in `prompts` (a group) is prefilled once (`prefill_distinct_prompts`; not for
     an FSDP-sharded model, whose ranks must make the same decoder calls).
     A completion ends at its first stop token (`stop_ids`: the tokenizer's EOS, every EOS of the checkpoint's

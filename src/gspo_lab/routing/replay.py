@@ -102,15 +102,17 @@ class RoutingReplay:
 
     def diagnostic_rows(self, batch):
         """The first `diagnostics_rows` rows of the batch (whole groups), measured by `before_update`."""
-        rows = len(batch.rewards) if self.diagnostics_rows is None else min(self.diagnostics_rows, len(batch.rewards))
-        return batch.rows(torch.arange(rows, device=batch.input_ids.device))
+        return batch.rows(torch.arange(self.measured_rows(len(batch.rewards)), device=batch.input_ids.device))
+
+    def measured_rows(self, available: int) -> int:
+        """How many of `available` rows the diagnostics measure: diagnostics_rows of them (null: all)."""
+        return available if self.diagnostics_rows is None else min(self.diagnostics_rows, available)
 
     def measures_in_training(self, minibatch_rows: int, batch_rows: int) -> bool:
         """Whether the first mini-batch's forwards, which run before any update, stand for the before-update
         forward (`recording`): when training forwards route as the trainer itself does (no replay hooks) and the
         mini-batch holds as many rows as the diagnostics measure."""
-        needed = batch_rows if self.diagnostics_rows is None else min(self.diagnostics_rows, batch_rows)
-        return not self.replays_in_training and minibatch_rows >= needed
+        return not self.replays_in_training and minibatch_rows >= self.measured_rows(batch_rows)
 
     def recording(self):
         """Around a forward that stands for the before-update one: records its experts (yields the trace; None
@@ -129,8 +131,7 @@ class RoutingReplay:
         diagnostics_rows of them, and compared with the engine's on all of them."""
         if not self.moe:
             return {}
-        kept = torch.arange(len(rows.rewards) if self.diagnostics_rows is None
-                            else min(self.diagnostics_rows, len(rows.rewards)))
+        kept = torch.arange(self.measured_rows(len(rows.rewards)))
         self._rows, self._before = rows.rows(kept.to(rows.input_ids.device)), trace.rows(kept)
         if rows.rollout_trace is None:
             return {}
