@@ -6,8 +6,10 @@ train.minibatches optimizer steps) and their ratio.
 from a random tiny Qwen3-MoE with the character tokenizer. `--workload bench_paper`: small_moe (8 layers x 32
 experts top-4), the task_bpe tokenizer, reasoning-gym word_sorting prompts of about 115 tokens, 16 x 8
 completions of 44 tokens. Both sides start from the same randomly initialised model, tokenizer and prompts,
-GSPO (sequence-level importance sampling, the workload's clip range, beta 0). Both are timed the same
-way: wall-clock intervals between the ends of consecutive RL steps, after `--warmup` steps. gspo-lab
+GSPO (sequence-level importance sampling, the workload's clip range, beta 0), gradient checkpointing as the
+workload's model.gradient_checkpointing says (off in every bench workload; TRL's GRPOConfig turns it on unless
+told, and before 2026-11-25 this script let it, which cost TRL a recomputed forward per backward and saved it
+activation memory). Both are timed the same way: wall-clock intervals between the ends of consecutive RL steps, after `--warmup` steps. gspo-lab
 additionally runs its diagnostics every step (TRL has none: on an MoE the routing forward after the updates, and
 the mismatch to the engine, measured on the first mini-batch's own forwards), so the comparison is not tilted
 in its favour.
@@ -202,6 +204,8 @@ def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str | N
             loss_type="grpo", epsilon=cfg.objective.clip_low, epsilon_high=cfg.objective.clip_high, beta=0.0,
             learning_rate=cfg.train.lr, temperature=1.0, top_k=0, top_p=1.0, disable_dropout=True,
             max_grad_norm=cfg.train.grad_clip,
+            # GRPOConfig turns it on by default: both sides recompute activations in the backward, or neither
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
         )
         clock = TrlClock(minibatches)
 
@@ -274,7 +278,10 @@ def main() -> None:
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the gspo-lab side")
-    args = parser.parse_args()
+    # key=value wherever it stands: after `--lengths 256 1024` argparse would read `trainer=gpu` as a length
+    overrides = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+    args = parser.parse_args([a for a in sys.argv[1:] if a not in overrides])
+    args.overrides = overrides + args.overrides
     if args.child:
         return run_one(args.child, args)
     sides = sides_of(args.workload)
