@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from gspo_lab import CONFIG_DIR
 from gspo_lab.cold_start import policy_from_config
 from gspo_lab.rollout import logprobs
-from gspo_lab.train import build, train
+from gspo_lab.train import build, train, warn_inexact_old_logprobs
 from tests.numerics import RATIO_ROUNDING
 
 CONTRACT_COLUMNS = [
@@ -159,6 +159,18 @@ def assert_on_policy(run_dir):
         assert abs(float(row["ratio/seq/max"]) - 1) <= RATIO_ROUNDING
         assert abs(float(row["ratio/seq/min"]) - 1) <= RATIO_ROUNDING
         assert float(row["clip/frac"]) == 0
+
+
+@pytest.mark.parametrize(("from_generation", "device", "precision", "warned"), [
+    (True, "cuda", "bf16-mixed", True), (True, "cuda", "16-mixed", True), (True, "cuda", "bf16-true", True),
+    (True, "cuda", "32-true", False), (True, "cpu", "bf16-mixed", False), (False, "cuda", "bf16-mixed", False),
+])
+def test_generation_logprobs_on_a_gpu_in_16_bit_are_warned_about(from_generation, device, precision, warned, caplog):
+    """Measured on an H100: π_old from the decode kernels is off by more than GSPO's clip range in bf16; on CPU
+    (exact under bf16 autocast too) and in float32, or with a forward of its own, nothing is said."""
+    with caplog.at_level(logging.WARNING, logger="gspo_lab.train"):
+        assert warn_inexact_old_logprobs(from_generation, device, precision) is warned
+    assert ("rollout.logprobs_from_generation=false" in caplog.text) is warned
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["as_configured", "every_forward_shares_prompts"])

@@ -25,6 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
@@ -99,6 +100,9 @@ def plan(cfg: DictConfig) -> Plan:
         parts["train"].check_against(parts["rollout"], trainer.world_size)
         parts["routing"].check_against(parts["rollout"])
         check_rollout_correction(parts["objective"], parts["rollout"])
+        warn_inexact_old_logprobs(parts["rollout"].logprobs_from_generation,
+                                  "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
+                                  str(trainer.precision))
         if parts["train"].micro_batch_size is not None:
             check_splittable(parts["objective"])
         check_model(model_source, parts["routing"], parts["rollout"], trainer)
@@ -132,6 +136,24 @@ def check_rollout_correction(objective, rollout) -> None:
             "it corrects a trainer-computed π_old toward the engine's samples, and π_old is then the engine's own; "
             "set rollout.logprobs_from_generation=false"
         )
+
+
+def warn_inexact_old_logprobs(from_generation: bool, device: str, precision: str) -> bool:
+    """On a GPU under 16-bit precision, π_old taken from generate's logits is not the training forward's: the
+    decode kernels (one position at a time over the KV cache) round differently from the full forward's. On an
+    H100 with bench_gpu (bf16) the per-sequence log-ratio reached 1.1e-3 to 1.7e-3 before any update, above GSPO's
+    clip range of 3e-4 / 4e-4, while a forward of its own gave 0 (scripts/old_logprob_exactness.py trainer=gpu,
+    docs/benchmarks.md). On CPU it is exact under bf16 autocast too. Warns (and returns True) on a GPU in
+    16-bit precision with rollout.logprobs_from_generation=true: the paper's §5.4 mode, kept as chosen."""
+    if not (from_generation and device == "cuda" and precision.startswith(("bf16", "16"))):
+        return False
+    log.warning(
+        "rollout.logprobs_from_generation=true on a GPU under trainer.precision=%s: the old log-probs come from "
+        "the decode kernels, which round differently from the training forward (on an H100 in bf16 the sequence "
+        "log-ratio reached 1.7e-3 before any update, above GSPO's clip range of 3e-4 / 4e-4), so sequences clip "
+        "from rounding alone. Set rollout.logprobs_from_generation=false for a forward of their own (exact; one "
+        "no-grad forward per rollout), or keep it for the GSPO paper's §5.4 mode (engine likelihoods).", precision)
+    return True
 
 
 def check_model(model_source, routing, rollout, trainer: L.Trainer) -> None:

@@ -161,3 +161,17 @@ def test_the_skeleton_a_plan_checks_has_the_loaded_models_routers(name):
     assert is_moe(skeleton) == is_moe(model)
     if is_moe(model):
         assert [n for n, _, _ in find_routers(skeleton, "test")] == [n for n, _, _ in find_routers(model, "test")]
+
+
+def test_suppress_eos_never_samples_a_stop_token_where_the_model_often_would():
+    """A head of zeros gives every token the same probability: 64 rows x 20 steps then end at the EOS in some rows
+    (each step 1 / len(tok), about 13 EOS draws expected); with suppress_eos no row ever samples it."""
+    torch.manual_seed(0)
+    model, tok = TinyModel(arch="qwen3", config=DENSE).load()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.zero_()
+    free = generate(model, tok, ["1+2="] * 64, max_new_tokens=20)
+    assert (~free.truncated).sum() >= 3  # rows that stopped at the EOS
+    fixed = generate(model, tok, ["1+2="] * 64, max_new_tokens=20, suppress_eos=True)
+    assert fixed.completion_ids.shape[1] == 20 and fixed.truncated.all() and fixed.completion_mask.all()
+    assert not (fixed.completion_ids == tok.eos_token_id).any()

@@ -162,12 +162,12 @@ def sampling_config(tokenizer, max_new_tokens, suppress_eos=False, stop: Sequenc
                     ) -> GenerationConfig:
     """Every setting `generate` decodes with, from the arguments alone: its own choice is the greedy one, which
     for sampling is the token a `RowSampler` left (no top-k of 50, no other default of transformers' sampling);
-    decoding stops at any of `stop` (default the tokenizer's EOS)."""
+    decoding stops at any of `stop` (default the tokenizer's EOS). `suppress_eos` suppresses the stop tokens at
+    every step (one [N, V] pass per decode step; min_new_tokens would add a clone and a second pass for the same)."""
     eos = list(stop) if stop else [tokenizer.eos_token_id]
     return GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens if suppress_eos else 0,
         suppress_tokens=eos if suppress_eos else None,
         eos_token_id=eos if len(eos) > 1 else eos[0],
         pad_token_id=tokenizer.pad_token_id,
@@ -227,8 +227,8 @@ class RowSampler(LogitsProcessor):
     row n's t-th token drawn by inverse CDF from its own uniform u[n, t] (`row_uniforms`): the first token whose
     cumulative probability exceeds u[n, t] (`inverse_cdf`). What it returns keeps only that token (0, the rest
     -inf), so `generate`'s greedy choice takes it. A row's draws depend on its seed alone, not on the rows beside
-    it (vLLM seeds each request's sampling the same way). Runs after transformers' own processors (min_new_tokens,
-    suppressed tokens), as its warpers would. Memory: the [N, V] probabilities, nothing larger."""
+    it (vLLM seeds each request's sampling the same way). Runs after transformers' own processors (suppressed
+    tokens), as its warpers would. Memory: the [N, V] probabilities, nothing larger."""
 
     def __init__(self, row_seeds: Tensor, steps: int, temperature: float, top_p: float) -> None:
         self.uniforms = row_uniforms(row_seeds, steps)  # [N, steps] float64, CPU
