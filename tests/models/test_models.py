@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from gspo_lab import CONFIG_DIR
 from gspo_lab.models import PretrainedModel, TinyModel, char_tokenizer
 from gspo_lab.rollout import generate, token_logprobs
+from gspo_lab.rollout.generation import RowSampler, _sample, stop_ids
 from gspo_lab.routing import is_moe
 from gspo_lab.routing.adapters import find_routers
 
@@ -175,3 +176,16 @@ def test_suppress_eos_never_samples_a_stop_token_where_the_model_often_would():
     fixed = generate(model, tok, ["1+2="] * 64, max_new_tokens=20, suppress_eos=True)
     assert fixed.completion_ids.shape[1] == 20 and fixed.truncated.all() and fixed.completion_mask.all()
     assert not (fixed.completion_ids == tok.eos_token_id).any()
+
+
+def test_the_samplers_own_eos_suppression_draws_what_transformers_suppression_would():
+    """RowSampler suppresses the stop tokens in place before its temperature and top-p; transformers'
+    SuppressTokensLogitsProcessor (the greedy path's) before it gives the same scores, so the same tokens."""
+    torch.manual_seed(0)
+    model, tok = TinyModel(arch="qwen3", config=DENSE).load()
+    prompts, seeds = ["1+2="] * 32, torch.arange(32) * 7919
+    ours = generate(model, tok, prompts, 16, temperature=0.7, top_p=0.9, suppress_eos=True, row_seeds=seeds)
+    with torch.inference_mode():
+        theirs = _sample(model, tok, prompts, 16, 0.7, RowSampler(seeds, 16, 0.7, 0.9), True, False, False, False,
+                         stop_ids(tok, model), True)
+    assert torch.equal(ours.completion_ids, theirs.completion_ids) and ours.truncated.all()

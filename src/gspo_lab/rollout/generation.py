@@ -129,10 +129,11 @@ def generate(
             row_seeds = draw_row_seeds(len(prompts))
         if len(row_seeds) != len(prompts):
             raise ValueError(f"generate: {len(row_seeds)} row_seeds for {len(prompts)} prompts; give one per prompt")
-        sampler = RowSampler(row_seeds, max_new_tokens, temperature, top_p)
-    with torch.no_grad() if sharded else torch.inference_mode():
-        completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, suppress_eos,
-                              return_logprobs, share_prompts, sharded, stop, add_special_tokens)
+        sampler = RowSampler(row_seeds, max_new_tokens, temperature, top_p, stop if suppress_eos else ())
+    with torch.no_grad() if sharded else torch.inference_mode():  # a sampler suppresses the stop tokens itself
+        completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler,
+                              suppress_eos and sampler is None, return_logprobs, share_prompts, sharded, stop,
+                              add_special_tokens)
     return completions.cloned()
 
 
@@ -227,20 +228,27 @@ class RowSampler(LogitsProcessor):
     row n's t-th token drawn by inverse CDF from its own uniform u[n, t] (`row_uniforms`): the first token whose
     cumulative probability exceeds u[n, t] (`inverse_cdf`). What it returns keeps only that token (0, the rest
     -inf), so `generate`'s greedy choice takes it. A row's draws depend on its seed alone, not on the rows beside
-    it (vLLM seeds each request's sampling the same way). Runs after transformers' own processors (suppressed
-    tokens), as its warpers would. Memory: the [N, V] probabilities, nothing larger."""
+    it (vLLM seeds each request's sampling the same way). Runs after transformers' own processors, as its warpers
+    would. `suppress` (suppress_eos: the stop tokens) gets -inf in place first, as transformers'
+    SuppressTokensLogitsProcessor would give it, without its [V] mask and its pass over [N, V] per step. Memory:
+    the [N, V] probabilities, nothing larger."""
 
-    def __init__(self, row_seeds: Tensor, steps: int, temperature: float, top_p: float) -> None:
+    def __init__(self, row_seeds: Tensor, steps: int, temperature: float, top_p: float,
+                 suppress: Sequence[int] = ()) -> None:
         self.uniforms = row_uniforms(row_seeds, steps)  # [N, steps] float64, CPU
+        self.suppress = torch.tensor(list(suppress), dtype=torch.long) if suppress else None
         self.warpers = ([TemperatureLogitsWarper(float(temperature))] if temperature != 1 else []) + \
             ([TopPLogitsWarper(float(top_p))] if top_p < 1 else [])  # x / 1 is x: a temperature of 1 changes nothing
         self.step = 0
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        for warper in self.warpers:
-            scores = warper(input_ids, scores)  # [N, V]
         if self.step == 0:
             self.uniforms = self.uniforms.to(scores.device)
+            self.suppress = None if self.suppress is None else self.suppress.to(scores.device)
+        if self.suppress is not None:  # generate's own fresh copy of the logits: written in place
+            scores.index_fill_(-1, self.suppress, -math.inf)
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)  # [N, V]
         u = self.uniforms[:, min(self.step, self.uniforms.shape[1] - 1)]  # [N]; FSDP's synced steps reuse the last
         self.step += 1
         tokens = inverse_cdf(scores.float().softmax(-1), u)  # [N]
@@ -324,7 +332,8 @@ class StepLogprobs:
             self.pending = None
 
     def _after(self, module, args, kwargs, output) -> None:
-        self.pending = (output.logits[:, -1].float() / self.temperature).log_softmax(-1)  # [N, V]
+        logits = output.logits[:, -1].float()  # [N, V]; x / 1 is x: no pass over it at temperature 1
+        self.pending = (logits if self.temperature == 1 else logits / self.temperature).log_softmax(-1)
 
     def of(self, completion_ids: Tensor) -> Tensor:
         """The [N, C] log-probs of the returned completion tokens."""
