@@ -9,10 +9,10 @@ completions of 44 tokens. Both sides start from the same randomly initialised mo
 GSPO (sequence-level importance sampling, the workload's clip range, beta 0), gradient checkpointing as the
 workload's model.gradient_checkpointing says (off in every bench workload; TRL's GRPOConfig turns it on unless
 told, and before 2026-11-25 this script let it, which cost TRL a recomputed forward per backward and saved it
-activation memory). Both are timed the same way: wall-clock intervals between the ends of consecutive RL steps, after `--warmup` steps. gspo-lab
-additionally runs its diagnostics every step (TRL has none: on an MoE the routing forward after the updates, and
-the mismatch to the engine, measured on the first mini-batch's own forwards), so the comparison is not tilted
-in its favour.
+activation memory). Both are timed the same way: wall-clock intervals between the ends of consecutive RL steps,
+after `--warmup` steps. gspo-lab additionally runs its diagnostics every step (TRL has none: on an MoE the routing
+forward after the updates, and the mismatch to the engine, measured on the first mini-batch's own forwards), so
+the comparison is not tilted in its favour.
 
 A third run per round times the floor of gspo-lab's step (`time_floor`): only the model's own forwards and
 backwards that any framework must run for the step with this transformers model (the prompts' prefill, one

@@ -163,8 +163,10 @@ def sampling_config(tokenizer, max_new_tokens, suppress_eos=False, stop: Sequenc
                     ) -> GenerationConfig:
     """Every setting `generate` decodes with, from the arguments alone: its own choice is the greedy one, which
     for sampling is the token a `RowSampler` left (no top-k of 50, no other default of transformers' sampling);
-    decoding stops at any of `stop` (default the tokenizer's EOS). `suppress_eos` suppresses the stop tokens at
-    every step (one [N, V] pass per decode step; min_new_tokens would add a clone and a second pass for the same)."""
+    decoding stops at any of `stop` (default the tokenizer's EOS). `suppress_eos` (what greedy decoding uses; a
+    `RowSampler` suppresses them itself, cheaper) suppresses the stop tokens at every step through
+    transformers' suppress_tokens alone: min_new_tokens would add two processors (it sets min_length too) that
+    each pass over the [N, V] scores again for the same effect."""
     eos = list(stop) if stop else [tokenizer.eos_token_id]
     return GenerationConfig(
         do_sample=False,
