@@ -8,12 +8,12 @@ import torch
 from hydra.utils import instantiate
 from torch.distributed._composable import checkpoint
 from omegaconf import OmegaConf
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LogitsProcessorList, SuppressTokensLogitsProcessor
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.models import PretrainedModel, TinyModel, char_tokenizer
 from gspo_lab.rollout import generate, token_logprobs
-from gspo_lab.rollout.generation import RowSampler, _sample, stop_ids
+from gspo_lab.rollout.generation import RowSampler, sampling_config, stop_ids
 from gspo_lab.routing import is_moe
 from gspo_lab.routing.adapters import find_routers
 
@@ -178,14 +178,17 @@ def test_suppress_eos_never_samples_a_stop_token_where_the_model_often_would():
     assert not (fixed.completion_ids == tok.eos_token_id).any()
 
 
-def test_the_samplers_own_eos_suppression_draws_what_transformers_suppression_would():
-    """RowSampler suppresses the stop tokens in place before its temperature and top-p; transformers'
-    SuppressTokensLogitsProcessor (the greedy path's) before it gives the same scores, so the same tokens."""
+def test_our_eos_suppression_draws_what_transformers_suppression_would():
+    """SuppressTokens writes -inf into the stop tokens' columns in place; transformers' SuppressTokensLogitsProcessor
+    builds a new tensor with them -inf: the same scores, so with temperature and top-p after it the same tokens."""
     torch.manual_seed(0)
     model, tok = TinyModel(arch="qwen3", config=DENSE).load()
-    prompts, seeds = ["1+2="] * 32, torch.arange(32) * 7919
+    prompts, seeds, stop = ["1+2="] * 32, torch.arange(32) * 7919, stop_ids(tok, model)
     ours = generate(model, tok, prompts, 16, temperature=0.7, top_p=0.9, suppress_eos=True, row_seeds=seeds)
+    encoded = tok(prompts, return_tensors="pt", padding=True)
     with torch.inference_mode():
-        theirs = _sample(model, tok, prompts, 16, 0.7, RowSampler(seeds, 16, 0.7, 0.9), True, False, False, False,
-                         stop_ids(tok, model), True)
-    assert torch.equal(ours.completion_ids, theirs.completion_ids) and ours.truncated.all()
+        theirs = model.generate(**encoded, generation_config=sampling_config(tok, 16, stop),
+                                logits_processor=LogitsProcessorList([SuppressTokensLogitsProcessor(stop),
+                                                                      RowSampler(seeds, 16, 0.7, 0.9)]))
+    assert torch.equal(ours.completion_ids, theirs.sequences[:, encoded["input_ids"].shape[1]:])
+    assert ours.truncated.all()

@@ -129,11 +129,10 @@ def generate(
             row_seeds = draw_row_seeds(len(prompts))
         if len(row_seeds) != len(prompts):
             raise ValueError(f"generate: {len(row_seeds)} row_seeds for {len(prompts)} prompts; give one per prompt")
-        sampler = RowSampler(row_seeds, max_new_tokens, temperature, top_p, stop if suppress_eos else ())
-    with torch.no_grad() if sharded else torch.inference_mode():  # a sampler suppresses the stop tokens itself
-        completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler,
-                              suppress_eos and sampler is None, return_logprobs, share_prompts, sharded, stop,
-                              add_special_tokens)
+        sampler = RowSampler(row_seeds, max_new_tokens, temperature, top_p)
+    with torch.no_grad() if sharded else torch.inference_mode():
+        completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, suppress_eos,
+                              return_logprobs, share_prompts, sharded, stop, add_special_tokens)
     return completions.cloned()
 
 
@@ -159,19 +158,15 @@ def stop_ids(tokenizer, model, extra: Sequence[int] = ()) -> list[int]:
     return list(dict.fromkeys(int(i) for i in found if i is not None))
 
 
-def sampling_config(tokenizer, max_new_tokens, suppress_eos=False, stop: Sequence[int] | None = None
-                    ) -> GenerationConfig:
+def sampling_config(tokenizer, max_new_tokens, stop: Sequence[int] | None = None) -> GenerationConfig:
     """Every setting `generate` decodes with, from the arguments alone: its own choice is the greedy one, which
     for sampling is the token a `RowSampler` left (no top-k of 50, no other default of transformers' sampling);
-    decoding stops at any of `stop` (default the tokenizer's EOS). `suppress_eos` (what greedy decoding uses; a
-    `RowSampler` suppresses them itself, cheaper) suppresses the stop tokens at every step through
-    transformers' suppress_tokens alone: min_new_tokens would add two processors (it sets min_length too) that
-    each pass over the [N, V] scores again for the same effect."""
+    decoding stops at any of `stop` (default the tokenizer's EOS). No min_new_tokens or suppress_tokens: those
+    processors build a [V] mask and a new [N, V] tensor every step (`SuppressTokens` does it in place)."""
     eos = list(stop) if stop else [tokenizer.eos_token_id]
     return GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,
-        suppress_tokens=eos if suppress_eos else None,
         eos_token_id=eos if len(eos) > 1 else eos[0],
         pad_token_id=tokenizer.pad_token_id,
         use_cache=True,
@@ -230,32 +225,38 @@ class RowSampler(LogitsProcessor):
     row n's t-th token drawn by inverse CDF from its own uniform u[n, t] (`row_uniforms`): the first token whose
     cumulative probability exceeds u[n, t] (`inverse_cdf`). What it returns keeps only that token (0, the rest
     -inf), so `generate`'s greedy choice takes it. A row's draws depend on its seed alone, not on the rows beside
-    it (vLLM seeds each request's sampling the same way). Runs after transformers' own processors, as its warpers
-    would. `suppress` (suppress_eos: the stop tokens) gets -inf in place first, as transformers'
-    SuppressTokensLogitsProcessor would give it, without its [V] mask and its pass over [N, V] per step. Memory:
-    the [N, V] probabilities, nothing larger."""
+    it (vLLM seeds each request's sampling the same way). Runs after the other processors (`SuppressTokens`), as
+    its warpers would. Memory: the [N, V] probabilities, nothing larger."""
 
-    def __init__(self, row_seeds: Tensor, steps: int, temperature: float, top_p: float,
-                 suppress: Sequence[int] = ()) -> None:
+    def __init__(self, row_seeds: Tensor, steps: int, temperature: float, top_p: float) -> None:
         self.uniforms = row_uniforms(row_seeds, steps)  # [N, steps] float64, CPU
-        self.suppress = torch.tensor(list(suppress), dtype=torch.long) if suppress else None
         self.warpers = ([TemperatureLogitsWarper(float(temperature))] if temperature != 1 else []) + \
             ([TopPLogitsWarper(float(top_p))] if top_p < 1 else [])  # x / 1 is x: a temperature of 1 changes nothing
         self.step = 0
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        if self.step == 0:
-            self.uniforms = self.uniforms.to(scores.device)
-            self.suppress = None if self.suppress is None else self.suppress.to(scores.device)
-        if self.suppress is not None:  # generate's own fresh copy of the logits: written in place
-            scores.index_fill_(-1, self.suppress, -math.inf)
         for warper in self.warpers:
             scores = warper(input_ids, scores)  # [N, V]
+        if self.step == 0:
+            self.uniforms = self.uniforms.to(scores.device)
         u = self.uniforms[:, min(self.step, self.uniforms.shape[1] - 1)]  # [N]; FSDP's synced steps reuse the last
         self.step += 1
         tokens = inverse_cdf(scores.float().softmax(-1), u)  # [N]
         # generate's own [N, V] scores, a fresh copy every step, overwritten: one pass less than a new tensor
         return scores.fill_(-math.inf).scatter_(-1, tokens[:, None], 0.0)
+
+
+class SuppressTokens(LogitsProcessor):
+    """-inf at `tokens` (suppress_eos: the stop tokens) in every step's scores, greedy or sampled: what transformers'
+    SuppressTokensLogitsProcessor gives, written into `generate`'s own fresh copy of the scores, without its [V]
+    mask and new [N, V] tensor per step."""
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens = torch.tensor(list(tokens), dtype=torch.long)
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        self.tokens = self.tokens.to(scores.device)  # a no-op after the first step
+        return scores.index_fill_(-1, self.tokens, -math.inf)
 
 
 def row_uniforms(row_seeds: Tensor, steps: int) -> Tensor:
@@ -349,7 +350,8 @@ def _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, sup
             return_logprobs, share_prompts, sharded, stop, add_special_tokens) -> Completions:
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
-    config = sampling_config(tokenizer, max_new_tokens, suppress_eos, stop)
+    config = sampling_config(tokenizer, max_new_tokens, stop)
+    processors = ([SuppressTokens(stop)] if suppress_eos else []) + ([sampler] if sampler else [])
     was_training = model.training
     model.eval()
     # FSDP: every decoder call gathers parameters from all ranks, so every rank must make the same calls: no
@@ -363,7 +365,7 @@ def _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, sup
     step_logprobs = StepLogprobs(temperature) if return_logprobs else None
     with only_this_generation_config(model, config), step_logprobs.hooked(model) if step_logprobs else nullcontext():
         output = model.generate(**encoded, generation_config=config, synced_gpus=synced, **prefilled,
-                                logits_processor=LogitsProcessorList([sampler] if sampler else []))
+                                logits_processor=LogitsProcessorList(processors))
     model.train(was_training)
     prompt_len = encoded["input_ids"].shape[1]
     completion_ids = output.sequences[:, prompt_len:]
