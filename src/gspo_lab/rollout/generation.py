@@ -285,6 +285,7 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
     [1, 0, 1]
     """
     rows, vocab = probs.shape
+    block = min(block, vocab)  # a vocabulary within one block: one level, not a [N, block] search over padding
     whole = vocab - vocab % block
     sums = [probs[:, :whole].reshape(rows, -1, block).sum(-1)] if whole else []  # [N, V // b]
     if whole < vocab:
