@@ -9,10 +9,11 @@ completions of 44 tokens. Both sides start from the same randomly initialised mo
 GSPO (sequence-level importance sampling, the workload's clip range, beta 0), gradient checkpointing as the
 workload's model.gradient_checkpointing says (off in every bench workload; TRL's GRPOConfig turns it on unless
 told, and before 2026-11-25 this script let it, which cost TRL a recomputed forward per backward and saved it
-activation memory). Both are timed the same way: wall-clock intervals between the ends of consecutive RL steps,
-after `--warmup` steps. gspo-lab additionally runs its diagnostics every step (TRL has none: on an MoE the routing
-forward after the updates, and the mismatch to the engine, measured on the first mini-batch's own forwards), so
-the comparison is not tilted in its favour.
+activation memory). Both are timed the same way: the mean wall-clock interval between the ends of consecutive RL
+steps, after `--warmup` steps (a mean, so work done every k steps counts at its share). gspo-lab additionally runs
+its diagnostics (TRL has none): the mismatch to the engine every step, measured on the first mini-batch's own
+forwards, and on an MoE the routing forward after the updates every routing.diagnostics_every steps (4 in
+bench_anchor and bench_paper, 1 by default).
 
 A third run per round times the floor of gspo-lab's step (`time_floor`): only the model's own forwards and
 backwards that any framework must run for the step with this transformers model (the prompts' prefill, one
@@ -31,6 +32,9 @@ allocated memory on a GPU. `--lengths` repeats every run at several completion l
 TRL's max_completion_length). Both sides split a mini-batch the workload's way: gspo-lab in
 train.micro_batch_size rows (log-probs train.logprob_chunk_tokens positions at a time), TRL in
 per_device_train_batch_size = the same rows with gradient_accumulation_steps to the mini-batch.
+`--paired` times gspo-lab against its floor alone, their steps alternated one by one in one process per round
+(`time_paired`): this CPU's speed moves 20-40% between runs a minute apart, which separate processes cannot tell
+from a difference between the sides; the paired ratio can.
 Needs the `bench` extra: pip install -e ".[bench]".
 
     python scripts/bench_vs_trl.py --steps 8 --rounds 3
@@ -38,6 +42,7 @@ Needs the `bench` extra: pip install -e ".[bench]".
     python scripts/bench_vs_trl.py --workload bench_paper --steps 8 --rounds 3
     python scripts/bench_vs_trl.py --workload bench_gpu --rounds 3 trainer=gpu   # on a GPU node
     python scripts/bench_vs_trl.py rollout.logprobs_from_generation=false   # gspo-lab with a second forward
+    python scripts/bench_vs_trl.py --paired --steps 20 --rounds 4   # gspo-lab against its floor, step by step
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import lightning as L
 import torch
@@ -76,8 +82,10 @@ def now() -> float:
     return time.perf_counter()
 
 
-def median_interval(stamps: list[float], warmup: int) -> float:
-    return statistics.median([b - a for a, b in itertools.pairwise(stamps)][warmup:])
+def mean_interval(stamps: list[float], warmup: int) -> float:
+    """The mean interval after the first `warmup`: a mean, not a median, so that work done every k steps (the
+    routing forward of routing.diagnostics_every) counts at its share instead of vanishing from the statistic."""
+    return statistics.mean([b - a for a, b in itertools.pairwise(stamps)][warmup:])
 
 
 class LightningClock(L.Callback):
@@ -119,13 +127,14 @@ def time_gspo_lab(workload: str, steps: int, warmup: int, overrides: list[str], 
         clock = LightningClock(peaks)
         run.trainer.callbacks.append(clock)
         run.trainer.fit(module)
-    return median_interval(clock.stamps, warmup)
+    return mean_interval(clock.stamps, warmup)
 
 
-def time_floor(workload: str, steps: int, warmup: int, trainer: list[str], peaks: PhasePeaks) -> float:
-    """Seconds per RL step of the model's forwards, backwards and optimizer steps alone (the module docstring),
+def floor_step(workload: str, steps: int, trainer: list[str]) -> Callable[[], tuple[float, float]]:
+    """One RL step of the floor, the model's forwards, backwards and optimizer steps alone (the module docstring),
     on one generation's completions replayed every step, with the workload's levers (shared prompt prefill and
-    forward, expert kernel, log-prob chunking, micro-batches)."""
+    forward, expert kernel, log-prob chunking, micro-batches): a function running it, returning its decoding and
+    its updates' seconds."""
     with tempfile.TemporaryDirectory() as out:
         cfg = workload_config(workload, out, steps, trainer)
         run, module, _ = build(cfg)
@@ -161,20 +170,67 @@ def time_floor(workload: str, steps: int, warmup: int, trainer: list[str], peaks
             optimizer.step()
             optimizer.zero_grad()
 
-    decoding, updating = [], []
-    peaks.reset()
-    for _ in range(steps):
+    def step() -> tuple[float, float]:
         with run.trainer.precision_plugin.train_step_context():
             started = now()
             decode()
             decoded = now()
             update()
-            decoding.append(decoded - started)
-            updating.append(now() - decoded)
-    # the first warmup + 1 steps left out, as median_interval leaves out the first warmup intervals
-    decode_s, update_s = (statistics.median(seconds[warmup + 1 :]) for seconds in (decoding, updating))
+            return decoded - started, now() - decoded
+
+    return step
+
+
+def floor_means(seconds: list[tuple[float, float]], warmup: int) -> tuple[float, float]:
+    """Means of the decoding and the updates, the first warmup + 1 steps left out, as mean_interval leaves
+    out the first warmup intervals."""
+    decode_s, update_s = (statistics.mean(phase[warmup + 1 :]) for phase in zip(*seconds))
     print(f"  floor: decoding {decode_s:.3f} + updates {update_s:.3f} s/step", flush=True)
-    return decode_s + update_s
+    return decode_s, update_s
+
+
+def time_floor(workload: str, steps: int, warmup: int, trainer: list[str], peaks: PhasePeaks) -> float:
+    """Seconds per RL step of the floor (`floor_step`)."""
+    step = floor_step(workload, steps, trainer)
+    peaks.reset()
+    return sum(floor_means([step() for _ in range(steps)], warmup))
+
+
+class FloorBetweenSteps(L.Callback):
+    """After each gspo-lab RL step, one floor step (`floor_step`), timed apart: gspo-lab's intervals run from the
+    end of one floor step to the end of the next gspo-lab step (Lightning's own work between steps included)."""
+
+    def __init__(self, step: Callable[[], tuple[float, float]]) -> None:
+        self.step = step
+        self.lab: list[float] = []
+        self.floor: list[tuple[float, float]] = []
+        self.resumed: float | None = None
+
+    def on_train_batch_end(self, *args, **kwargs) -> None:
+        ended = now()
+        if self.resumed is not None:
+            self.lab.append(ended - self.resumed)
+        self.floor.append(self.step())
+        self.resumed = now()
+
+
+def time_paired(workload: str, steps: int, warmup: int, overrides: list[str], trainer: list[str]) -> dict[str, float]:
+    """gspo-lab's and the floor's mean seconds per RL step (`mean_interval`), their steps alternated one by one in
+    this process so that a change in the machine's speed (this CPU's separate runs spread 20-40%) falls on both
+    alike, and the median over the timed pairs of floor / gspo-lab. Time only: both models share the process."""
+    between = FloorBetweenSteps(floor_step(workload, steps, trainer))
+    with tempfile.TemporaryDirectory() as out:
+        run, module, _ = build(workload_config(workload, out, steps, overrides))
+        run.trainer.callbacks.append(between)
+        run.trainer.fit(module)
+    lab = between.lab[warmup:]  # the first gspo-lab step has no interval: as mean_interval
+    floor = [sum(pair) for pair in between.floor[warmup + 1 :]]
+    phases = [statistics.mean(row[key] for row in module.history[warmup + 1 :] if key in row)
+              for key in ("time/rollout_s", "time/update_s")]
+    print(f"  gspo-lab: rollout {phases[0]:.3f} + updates {phases[1]:.3f} s/step", flush=True)
+    floor_means(between.floor, warmup)
+    return {"seconds": statistics.mean(lab), "floor_seconds": statistics.mean(floor),
+            "pair_ratio": statistics.median(f / g for f, g in zip(floor, lab))}
 
 
 def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str | None, trainer: list[str],
@@ -218,7 +274,7 @@ def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str | N
         )
         peaks.reset()
         trainer.train()
-    return median_interval(clock.stamps, warmup)
+    return mean_interval(clock.stamps, warmup)
 
 
 class RunPeak(PhasePeaks):
@@ -235,6 +291,10 @@ def run_one(side: str, args) -> None:
     peaks = RunPeak(torch.cuda.is_available())
     trainer = [o for o in args.overrides if o.startswith(("trainer=", "trainer."))]  # device, precision: all runs
     length = [f"rollout.max_new_tokens={args.length}"] if args.length else []
+    if side == "paired":  # time only: two models in one process
+        paired = time_paired(args.workload, args.steps, args.warmup, args.overrides + length, trainer + length)
+        print("RESULT " + json.dumps(paired), flush=True)
+        return
     if side == "gspo-lab":
         seconds = time_gspo_lab(args.workload, args.steps, args.warmup, args.overrides + length, peaks)
     elif side == "floor":
@@ -251,7 +311,7 @@ def child(side: str, length: int | None, seed: int, args) -> dict[str, float]:
                "--warmup", str(args.warmup), "--seed", str(seed), *(["--length", str(length)] if length else []),
                *args.overrides]
     done = subprocess.run(command, capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("RESULT ", "  floor"))]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("RESULT ", "  floor", "  gspo-lab"))]
     if done.returncode != 0 or not lines or not lines[-1].startswith("RESULT "):
         raise RuntimeError(f"{side} (length {length}) failed:\n{done.stderr[-3000:]}")
     for line in lines[:-1]:
@@ -274,6 +334,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the runs")
     parser.add_argument("--lengths", type=int, nargs="*", default=[None],
                         help="completion lengths (rollout.max_new_tokens) to run at; default the workload's")
+    parser.add_argument("--paired", action="store_true",
+                        help="gspo-lab against its floor only, their steps alternated one by one in one process")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -284,6 +346,8 @@ def main() -> None:
     args.overrides = overrides + args.overrides
     if args.child:
         return run_one(args.child, args)
+    if args.paired:
+        return paired(args)
     sides = sides_of(args.workload)
     results: dict[tuple[int | None, str], list[dict[str, float]]] = {}
     for round_, length in itertools.product(range(args.rounds), args.lengths):
@@ -293,7 +357,8 @@ def main() -> None:
             f"{side} {results[length, side][-1]['seconds']:.3f} s {results[length, side][-1]['peak_mib']:.0f} MiB"
             for side in sides), flush=True)
     memory = "peak CUDA allocated" if torch.cuda.is_available() else "peak RSS"
-    print(f"{args.workload}: medians over {args.rounds} rounds, {torch.get_num_threads()} threads; s/step, {memory} "
+    print(f"{args.workload}: medians over {args.rounds} rounds of each run's mean, {torch.get_num_threads()} threads; "
+          f"s/step, {memory} "
           "over the RL steps (+ its rise above their start) MiB")
     keys = ("seconds", "peak_mib", "rise_mib")
     for length in args.lengths:
@@ -308,6 +373,22 @@ def main() -> None:
                   f"(the floor would be {median[trl]['seconds'] / median['floor']['seconds']:.2f}x) and uses "
                   f"{lab['peak_mib'] / median[trl]['peak_mib']:.2f} of its peak memory "
                   f"({lab['rise_mib'] / median[trl]['rise_mib']:.2f} of its rise)")
+
+
+def paired(args) -> None:
+    """`--paired`: per round one process alternating gspo-lab's and the floor's steps (`time_paired`)."""
+    for length in args.lengths:
+        rounds = [child("paired", length, round_, args) for round_ in range(args.rounds)]
+        for round_, r in enumerate(rounds):
+            print(f"round {round_}, length {length or 'default'}: gspo-lab {r['seconds']:.3f} s, floor "
+                  f"{r['floor_seconds']:.3f} s (means), {r['floor_seconds'] / r['seconds']:.0%} of the floor (pairs' median "
+                  f"{r['pair_ratio']:.0%})", flush=True)
+        lab, floor = (statistics.median(r[key] for r in rounds) for key in ("seconds", "floor_seconds"))
+        ratio = statistics.median(r["floor_seconds"] / r["seconds"] for r in rounds)
+        print(f"{args.workload}, length {length or 'default'}: {args.rounds} rounds of {args.steps} alternated steps, "
+              f"{torch.get_num_threads()} threads; medians of the rounds' means: gspo-lab {lab:.3f} s/step, floor "
+              f"{floor:.3f}; median of the rounds' ratios: gspo-lab at {ratio:.0%} of the floor (of their pair "
+              f"medians {statistics.median(r['pair_ratio'] for r in rounds):.0%})")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,14 @@ def test_diagnostics_every_k_steps_run_their_forwards_on_those_steps_only(mode, 
     assert all(("mismatch/kl" in row) == (mode == "off" or i != 1) for i, row in enumerate(steps))
     assert all(("routing/override_frac" in row) == (mode == "r3") for row in steps)
     assert forwards["before"] == (2 if mode == "r3" else 0)
+    # what they measure is unchanged: every value equals the same seed's run diagnosing every step (timings aside)
+    run, every, _ = build(compose(rl_overrides + ["train.steps=3", "routing.diagnostics_rows=8",
+                                                  f"routing.replay={mode}", f"paths.output_dir={tmp_path / 'every'}"]))
+    run.trainer.fit(every)
+    for spaced, each in zip(steps, [row for row in every.history if "reward/mean" in row], strict=True):
+        assert {k: v for k, v in spaced.items() if not k.startswith(("time/", "throughput/"))} == \
+            {k: each[k] for k in spaced if not k.startswith(("time/", "throughput/"))}
+    assert "routing/changed_frac" in each and steps[2]["routing/changed_frac"] == each["routing/changed_frac"]
 
 
 def test_r2_cannot_take_old_logprobs_from_generation(compose, rl_overrides):
