@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.cold_start import policy_from_config
+from gspo_lab.module import RLModule
 from gspo_lab.rollout import logprobs
 from gspo_lab.train import build, train, warn_inexact_old_logprobs
 from tests.numerics import RATIO_ROUNDING
@@ -347,6 +348,19 @@ def test_gradients_are_clipped_to_grad_clip_with_the_fused_optimizer(precision, 
     logged = [row["grad_norm"] for row in module.history if "grad_norm" in row]  # the final row: evaluation only
     assert len(logged) == 2 and min(logged) > 0.1  # the clip binds ...
     assert applied.norms == pytest.approx([0.01] * 4, rel=1e-4)  # ... and each step applies the clipped gradients
+
+
+@pytest.mark.parametrize("norm", [0.5, 0.999999, 1.0, 1.0000005, 2.0, 1e30])
+def test_gradients_are_scaled_exactly_when_torch_would_scale_them_by_less_than_1(norm):
+    """RLModule.clips skips clip_grads_with_norm_ only where torch would multiply by exactly 1: its factor is
+    min(1, clip / (norm + 1e-6)), so a norm just below the clip (within 1e-6) is scaled too."""
+    for dtype in (torch.float32, torch.float64):
+        grad_norm = torch.tensor(norm, dtype=dtype)
+        factor = torch.clamp(1.0 / (grad_norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grads_with_norm_'s own
+        holder = type("Holder", (), {"train_cfg": type("Train", (), {"grad_clip": 1.0})})()
+        assert RLModule.clips(holder, grad_norm) == bool(factor < 1)
+    assert RLModule.clips(type("Holder", (), {"train_cfg": type("Train", (), {"grad_clip": 0.0})})(), grad_norm) \
+        is False  # 0: no clipping at all
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -249,7 +249,7 @@ class RLModule(RolloutCollection, L.LightningModule):
                 skipped += self.skip_update(f"gradient norm {grad_norm.item()}")
                 continue
             self.consecutive_skips = 0
-            if self.train_cfg.grad_clip > 0:  # by the norm just computed: Lightning's clip_gradients refuses fused
+            if self.clips(grad_norm):  # by the norm just computed: Lightning's clip_gradients refuses fused
                 # optimizers under any mixed precision, bf16's too (no grad scaler there; Lightning issue #21435)
                 torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.train_cfg.grad_clip, grad_norm)
             optimizer.step()
@@ -348,6 +348,13 @@ class RLModule(RolloutCollection, L.LightningModule):
             return torch.zeros((), device=self.device)
         norm = torch.nn.utils.get_total_norm(grads)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP: the norm over all shards
+
+    def clips(self, grad_norm: torch.Tensor) -> bool:
+        """Whether train.grad_clip scales the gradients: torch's clip_grads_with_norm_ multiplies them by
+        min(1, grad_clip / (norm + 1e-6)), so by exactly 1 (a pass over every gradient that changes nothing) unless
+        this holds. The host already waited for the norm (the finiteness check above)."""
+        clip = self.train_cfg.grad_clip
+        return clip > 0 and bool(clip / (grad_norm + 1e-6) < 1)
 
     def skip_update(self, reason: str) -> int:
         """Count a skipped update; too many in a row stop the run with a clear message."""
