@@ -5,6 +5,7 @@ import torch
 
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import PromptSchedule, generate, token_logprobs
+from gspo_lab.rollout import generation
 from gspo_lab.rollout.generation import RowSampler, StepLogprobs, inverse_cdf, position_ids
 from gspo_lab.tasks import Arithmetic
 from tests.numerics import assert_rounding_close, logit_scale
@@ -115,6 +116,24 @@ def one_level_inverse_cdf(probs, u):
     cdf = probs.double().cumsum(-1)
     drawn = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
     return torch.minimum(drawn, torch.searchsorted(cdf, cdf[:, -1:].contiguous())).squeeze(-1)
+
+
+@pytest.mark.parametrize("vocab", [1, 99, 1024])
+def test_a_vocabulary_within_one_block_draws_what_the_two_level_search_draws(vocab):
+    """inverse_cdf's one-block path (the anchor's 99-token vocabulary) against the two-level search run with one
+    block: the same tokens bit for bit, for exact zeros, u at 0, 1 - 2^-53 and at the cumulative sums themselves."""
+    generator = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(64, vocab, generator=generator) * (torch.rand(64, vocab, generator=generator) > 0.3)
+    probs[:, 0] += 1e-3  # every row has mass; some end in zeros
+    probs = probs / probs.sum(-1, keepdim=True)
+    cdf = probs.double().cumsum(-1)
+    columns = [torch.rand(64, dtype=torch.float64, generator=generator) for _ in range(50)]
+    columns += [torch.zeros(64, dtype=torch.float64), torch.full((64,), 1 - 2**-53, dtype=torch.float64),
+                cdf[:, vocab // 2] / cdf[:, -1]]
+    for u in columns:
+        assert torch.equal(inverse_cdf(probs, u), generation._two_levels(probs, u, vocab))
+    with pytest.raises(ValueError, match=r"rows \[1\] have no finite positive probability mass"):
+        inverse_cdf(torch.stack([probs[0], torch.zeros(vocab)]), torch.zeros(2))
 
 
 @pytest.mark.parametrize("block", [7, 1024, 4096])

@@ -276,7 +276,8 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
     152k vocabulary): the block of `block` tokens where the row's mass crosses u · total, from the float64
     cumulative sums of the blocks' sums (float32, as the probabilities), then the token inside that block (a
     float64 cumulative sum of its `block` probabilities). A zero-probability token is never drawn, even where
-    rounding puts u · total at or past the end of its block.
+    rounding puts u · total at or past the end of its block. A vocabulary within one block takes the one-level
+    path (`_one_block`), the same tokens bit for bit.
 
     >>> probs = torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.5, 0.0], [0.5, 0.5, 0.0]])
     >>> inverse_cdf(probs, torch.tensor([0.6, 0.2, 1.0])).tolist()  # cdf [0.5, 0.75, 1]: 0.6 falls in token 1's
@@ -285,16 +286,37 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
     [1, 0, 1]
     """
     rows, vocab = probs.shape
-    block = min(block, vocab)  # a vocabulary within one block: one level, not a [N, block] search over padding
+    if vocab <= block:  # one block: the same tokens with a third of the operations (no block search, no gather)
+        return _one_block(probs, u)
+    return _two_levels(probs, u, block)
+
+
+def _one_block(probs: Tensor, u: Tensor) -> Tensor:
+    """`_two_levels` with a single block of the whole vocabulary, whose block search always picks block 0."""
+    total = _checked_total(probs.reshape(len(probs), 1, -1).sum(-1).double())  # [N, 1], as _two_levels sums
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    drawn = torch.searchsorted(cdf, u[:, None].to(total) * total, right=True)  # first cdf > u · total
+    return torch.minimum(drawn, torch.searchsorted(cdf, cdf[:, -1:].contiguous())).squeeze(-1)
+
+
+def _checked_total(total: Tensor) -> Tensor:
+    """`total` [N, 1], each row's probability mass; ValueError naming the rows with none."""
+    empty = ~(torch.isfinite(total[:, -1]) & (total[:, -1] > 0))  # [N]
+    if bool(empty.any()):  # one wait for the device per decode step, as generate's own stopping check makes
+        raise ValueError(f"sampling: rows {empty.nonzero().flatten().tolist()} have no finite positive probability "
+                         "mass (NaN or infinite logits, or every token suppressed)")
+    return total
+
+
+def _two_levels(probs: Tensor, u: Tensor, block: int) -> Tensor:
+    rows, vocab = probs.shape
+    block = min(block, vocab)
     whole = vocab - vocab % block
     sums = [probs[:, :whole].reshape(rows, -1, block).sum(-1)] if whole else []  # [N, V // b]
     if whole < vocab:
         sums.append(probs[:, whole:].sum(-1, keepdim=True))  # the shorter last block
     before = torch.cat(sums, 1).double().cumsum(-1)  # [N, blocks]: the mass up to the end of each block
-    empty = ~(torch.isfinite(before[:, -1]) & (before[:, -1] > 0))  # [N]
-    if bool(empty.any()):  # one wait for the device per decode step, as generate's own stopping check makes
-        raise ValueError(f"sampling: rows {empty.nonzero().flatten().tolist()} have no finite positive probability "
-                         "mass (NaN or infinite logits, or every token suppressed)")
+    _checked_total(before[:, -1:])
     target = u[:, None].to(before) * before[:, -1:]  # [N, 1] u · total
     chosen = torch.minimum(torch.searchsorted(before, target, right=True),  # first block ending past the target
                            torch.searchsorted(before, before[:, -1:].contiguous()))  # the last block with mass
