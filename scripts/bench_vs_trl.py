@@ -42,7 +42,8 @@ Needs the `bench` extra: pip install -e ".[bench]".
     python scripts/bench_vs_trl.py --workload bench_paper --steps 8 --rounds 3
     python scripts/bench_vs_trl.py --workload bench_gpu --rounds 3 trainer=gpu   # on a GPU node
     python scripts/bench_vs_trl.py rollout.logprobs_from_generation=false   # gspo-lab with a second forward
-    python scripts/bench_vs_trl.py --paired --steps 20 --rounds 4   # gspo-lab against its floor, step by step
+    python scripts/bench_vs_trl.py --paired --steps 23 --rounds 4   # gspo-lab against its floor, step by step
+                                    # (23 steps: 20 timed, every 4th with bench_anchor's routing forward)
 """
 
 from __future__ import annotations
@@ -357,9 +358,8 @@ def main() -> None:
             f"{side} {results[length, side][-1]['seconds']:.3f} s {results[length, side][-1]['peak_mib']:.0f} MiB"
             for side in sides), flush=True)
     memory = "peak CUDA allocated" if torch.cuda.is_available() else "peak RSS"
-    print(f"{args.workload}: medians over {args.rounds} rounds of each run's mean, {torch.get_num_threads()} threads; "
-          f"s/step, {memory} "
-          "over the RL steps (+ its rise above their start) MiB")
+    print(f"{args.workload}: medians over {args.rounds} rounds of each run's mean, {torch.get_num_threads()} "
+          f"threads; s/step, {memory} over the RL steps (+ its rise above their start) MiB")
     keys = ("seconds", "peak_mib", "rise_mib")
     for length in args.lengths:
         median = {side: {key: statistics.median(r[key] for r in results[length, side]) for key in keys}
@@ -381,8 +381,8 @@ def paired(args) -> None:
         rounds = [child("paired", length, round_, args) for round_ in range(args.rounds)]
         for round_, r in enumerate(rounds):
             print(f"round {round_}, length {length or 'default'}: gspo-lab {r['seconds']:.3f} s, floor "
-                  f"{r['floor_seconds']:.3f} s (means), {r['floor_seconds'] / r['seconds']:.0%} of the floor (pairs' median "
-                  f"{r['pair_ratio']:.0%})", flush=True)
+                  f"{r['floor_seconds']:.3f} s (means), {r['floor_seconds'] / r['seconds']:.0%} of the floor "
+                  f"(pairs' median {r['pair_ratio']:.0%})", flush=True)
         lab, floor = (statistics.median(r[key] for r in rounds) for key in ("seconds", "floor_seconds"))
         ratio = statistics.median(r["floor_seconds"] / r["seconds"] for r in rounds)
         print(f"{args.workload}, length {length or 'default'}: {args.rounds} rounds of {args.steps} alternated steps, "

@@ -285,8 +285,7 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
     >>> inverse_cdf(probs, torch.tensor([0.6, 0.2, 1.0]), block=2).tolist()  # blocks [0, 1] and [2]: the same
     [1, 0, 1]
     """
-    rows, vocab = probs.shape
-    if vocab <= block:  # one block: the same tokens with a third of the operations (no block search, no gather)
+    if probs.shape[1] <= block:  # one block: the same tokens with a third of the operations (no block search, no gather)
         return _one_block(probs, u)
     return _two_levels(probs, u, block)
 
@@ -309,6 +308,7 @@ def _checked_total(total: Tensor) -> Tensor:
 
 
 def _two_levels(probs: Tensor, u: Tensor, block: int) -> Tensor:
+    """`inverse_cdf`'s two-level search (blocks of at most the vocabulary)."""
     rows, vocab = probs.shape
     block = min(block, vocab)
     whole = vocab - vocab % block
