@@ -1,0 +1,62 @@
+"""The generated documentation pages against their sources."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import DictConfig, OmegaConf
+
+from scripts import config_reference
+from scripts.config_reference import CONF, PAGE, parse, render
+
+
+def test_the_config_reference_page_is_up_to_date_with_conf():
+    assert PAGE.read_text() == render(), "docs/reference/config.md is stale: run python scripts/config_reference.py"
+
+
+def test_an_option_s_keys_defaults_and_comments(tmp_path):
+    path = tmp_path / "opt.yaml"
+    path.write_text(
+        "# @package _global_\n"
+        "# What this option does,\n# in two lines.\n"
+        "defaults:\n  - override /model: tiny  # a trailing comment\n\n"
+        "# seeds everything\nseed: 3\n"
+        "train:\n  # the step count\n  steps: 40  # forty\n\n  # orphaned by the blank line below\n\n"
+        "  name: \"a # not a comment\"\n  sizes: [1, 2]\n"
+        "  nested:\n    deep: ${train.steps}\n"
+        "functions:\n  - _target_: a.B\n    weight: 1.0\n  - c\n"
+        "top: {x: 1}\n"
+    )
+    description, keys = parse(path)
+    assert description == "What this option does, in two lines."
+    assert [(k.path, k.default, k.comment, k.items) for k in keys] == [
+        ("defaults", "", "", ["override /model: tiny"]),
+        ("seed", "3", "seeds everything", []),
+        ("train", "", "", []),
+        ("train.steps", "40", "the step count", []),
+        ("train.name", '"a # not a comment"', "", []),
+        ("train.sizes", "[1, 2]", "", []),
+        ("train.nested", "", "", []),
+        ("train.nested.deep", "${train.steps}", "", []),
+        ("functions", "", "", ["_target_: a.B, weight: 1.0", "c"]),
+        ("top", "{x: 1}", "", []),
+    ]
+
+
+def mapping_keys(node, prefix: str = "") -> set[str]:
+    """Every dotted key of a YAML mapping, as OmegaConf reads it (lists are leaves)."""
+    found = set()
+    for key in node.keys() if isinstance(node, DictConfig) else []:
+        path = f"{prefix}{key}"
+        found.add(path)
+        found |= mapping_keys(node._get_node(key), f"{path}.")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(CONF.rglob("*.yaml")), ids=lambda p: p.relative_to(CONF).as_posix())
+def test_the_line_parser_finds_every_key_a_yaml_parser_finds(path):
+    """The reference's keys of each conf/ file are exactly the keys OmegaConf reads from it (a flow mapping,
+    {a: 1, b: 2}, is one key whose default is the mapping)."""
+    keys = parse(path)[1]
+    flows = [f"{key.path}." for key in keys if key.default.startswith("{")]
+    expected = {k for k in mapping_keys(OmegaConf.load(path)) if not k.startswith(tuple(flows))}
+    assert {key.path for key in keys} == expected, config_reference.__file__
