@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 TORCH  := torch==2.13.0
 
-.PHONY: install train test test-all
+.PHONY: install train test test-all docs
 
 install: $(STAMP)
 
@@ -29,3 +29,10 @@ test: $(STAMP)
 # The full suite, slow tests included: what CI runs (.ci/run).
 test-all: $(STAMP)
 	$(PYTHON) -m pytest -q --durations=15 $(ARGS)
+
+# The documentation site into site/, --strict: a broken link, a page missing from the nav's files or a stale
+# generated page (docs/reference/config.md) fails. CI runs it.
+docs: $(STAMP)
+	$(PYTHON) -m pip install -q -e ".[docs]"
+	$(PYTHON) scripts/config_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
