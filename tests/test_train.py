@@ -5,6 +5,7 @@ import csv
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -357,10 +358,8 @@ def test_gradients_are_scaled_exactly_when_torch_would_scale_them_by_less_than_1
     for dtype in (torch.float32, torch.float64):
         grad_norm = torch.tensor(norm, dtype=dtype)
         factor = torch.clamp(1.0 / (grad_norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grads_with_norm_'s own
-        holder = type("Holder", (), {"train_cfg": type("Train", (), {"grad_clip": 1.0})})()
-        assert RLModule.clips(holder, grad_norm) == bool(factor < 1)
-    assert RLModule.clips(type("Holder", (), {"train_cfg": type("Train", (), {"grad_clip": 0.0})})(), grad_norm) \
-        is False  # 0: no clipping at all
+        assert RLModule.clips(SimpleNamespace(train_cfg=SimpleNamespace(grad_clip=1.0)), grad_norm) == bool(factor < 1)
+    assert RLModule.clips(SimpleNamespace(train_cfg=SimpleNamespace(grad_clip=0.0)), grad_norm) is False  # no clipping
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -285,7 +285,7 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
     >>> inverse_cdf(probs, torch.tensor([0.6, 0.2, 1.0]), block=2).tolist()  # blocks [0, 1] and [2]: the same
     [1, 0, 1]
     """
-    if probs.shape[1] <= block:  # one block: the same tokens with a third of the operations (no block search, no gather)
+    if probs.shape[1] <= block:  # one block: the same tokens, a third of the operations (no block search or gather)
         return _one_block(probs, u)
     return _two_levels(probs, u, block)
 
@@ -293,9 +293,14 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
 def _one_block(probs: Tensor, u: Tensor) -> Tensor:
     """`_two_levels` with a single block of the whole vocabulary, whose block search always picks block 0."""
     total = _checked_total(probs.reshape(len(probs), 1, -1).sum(-1).double())  # [N, 1], as _two_levels sums
-    cdf = probs.double().cumsum(-1)  # [N, V]
-    drawn = torch.searchsorted(cdf, u[:, None].to(total) * total, right=True)  # first cdf > u · total
-    return torch.minimum(drawn, torch.searchsorted(cdf, cdf[:, -1:].contiguous())).squeeze(-1)
+    return _first_past(probs.double().cumsum(-1), u[:, None].to(total) * total).squeeze(-1)
+
+
+def _first_past(cdf: Tensor, target: Tensor) -> Tensor:
+    """[N, 1] the first position of each row of the cumulative sums `cdf` [N, K] above `target` [N, 1], never past
+    the row's last position that adds mass (where rounding puts the target at or beyond the row's end)."""
+    return torch.minimum(torch.searchsorted(cdf, target, right=True),
+                         torch.searchsorted(cdf, cdf[:, -1:].contiguous()))
 
 
 def _checked_total(total: Tensor) -> Tensor:
@@ -308,9 +313,8 @@ def _checked_total(total: Tensor) -> Tensor:
 
 
 def _two_levels(probs: Tensor, u: Tensor, block: int) -> Tensor:
-    """`inverse_cdf`'s two-level search (blocks of at most the vocabulary)."""
+    """`inverse_cdf`'s two-level search; `block` at most the vocabulary."""
     rows, vocab = probs.shape
-    block = min(block, vocab)
     whole = vocab - vocab % block
     sums = [probs[:, :whole].reshape(rows, -1, block).sum(-1)] if whole else []  # [N, V // b]
     if whole < vocab:
@@ -318,16 +322,13 @@ def _two_levels(probs: Tensor, u: Tensor, block: int) -> Tensor:
     before = torch.cat(sums, 1).double().cumsum(-1)  # [N, blocks]: the mass up to the end of each block
     _checked_total(before[:, -1:])
     target = u[:, None].to(before) * before[:, -1:]  # [N, 1] u · total
-    chosen = torch.minimum(torch.searchsorted(before, target, right=True),  # first block ending past the target
-                           torch.searchsorted(before, before[:, -1:].contiguous()))  # the last block with mass
+    chosen = _first_past(before, target)  # the block where the mass crosses the target
     start = chosen * block  # [N, 1]
     columns = start + torch.arange(block, device=probs.device)  # [N, b]
     inside = probs.gather(1, columns.clamp(max=vocab - 1)).masked_fill(columns >= vocab, 0.0)  # [N, b]
     offset = torch.where(chosen > 0, before.gather(1, (chosen - 1).clamp(min=0)), 0.0)  # [N, 1] mass before it
     cdf = offset + inside.double().cumsum(-1)  # [N, b]
-    drawn = torch.searchsorted(cdf, target, right=True)  # first cdf > u · total
-    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())  # the block's last token with probability
-    return (start + torch.minimum(drawn, last)).squeeze(-1)
+    return (start + _first_past(cdf, target)).squeeze(-1)
 
 
 class StepLogprobs:
