@@ -11,8 +11,8 @@ prompt, seed and generation settings apply, and the command line changes it (`ke
 a whole group such as task=countdown or eval=sampled); else the config is gspo-train's defaults plus the command
 line. Writes eval.json (metrics, settings, checkpoint, tokenizer) and samples.jsonl (every completion: prompt,
 completion, extracted answer, correct, rewards) to the Hydra run dir. The same checkpoint, seed and
-eval.batch_size give the numbers a single-process training run logged at that step (under DDP each rank sampled
-its own share with seeds of its own rank).
+eval.batch_size give the numbers a single-process training run logged at that step (a DDP run's ranks drew the same
+per-sample seeds, but batched other prompts together, so their logits may differ by float rounding).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ chance that k drawn without replacement hold at least one correct, 1 - C(n-c, k)
 1 - prod_{i=n-c+1}^{n} (1 - k/i), and 1 when n - c < k (lighteval's and lm-eval's `pass_at_k`). Not verl's
 best@k, which resamples with replacement and under-reports it (verl PR #7240).
 
->>> [round(pass_at_k(5, 2, k), 4) for k in (1, 2, 5)]
-[0.4, 0.7, 1.0]
->>> maj_at_k(["3", "4", "4", "3", None], {"4"}, k=5)  # a tie of 3 and 4: the first to appear, 3, wins
-0.0
+    >>> [round(pass_at_k(5, 2, k), 4) for k in (1, 2, 5)]
+    [0.4, 0.7, 1.0]
+    >>> maj_at_k(["3", "4", "4", "3", None], {"4"}, k=5)  # a tie of 3 and 4: the first to appear, 3, wins
+    0.0
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def warn_inexact_old_logprobs(from_generation: bool, device: str, precision: str
     decode kernels (one position at a time over the KV cache) round differently from the full forward's. On an
     H100 with bench_gpu (bf16) the per-sequence log-ratio reached 1.1e-3 to 1.7e-3 before any update, above GSPO's
     clip range of 3e-4 / 4e-4, while a forward of its own gave 0 (scripts/old_logprob_exactness.py trainer=gpu,
-    docs/benchmarks.md). On CPU it is exact under bf16 autocast too. Warns (and returns True) on a GPU in
+    docs/performance.md). On CPU it is exact under bf16 autocast too. Warns (and returns True) on a GPU in
     16-bit precision with rollout.logprobs_from_generation=true: the paper's §5.4 mode, kept as chosen."""
     if not (from_generation and device == "cuda" and precision.startswith(("bf16", "16"))):
         return False

@@ -42,7 +42,7 @@ class LoraSettings:
         target_modules: Linear modules (by name suffix) that get adapters, e.g. the attention projections.
         experts: adapters on every MoE expert weight too (3-D stacked parameters). Off by default: PEFT's
             parameter LoRA rebuilds W + BA of the whole expert stack in every forward, every decode step included
-            (generation 2.5x slower on bench_paper's shapes at hidden 256; docs/benchmarks.md).
+            (generation 2.5x slower on bench_paper's shapes at hidden 256; docs/performance.md).
         routers: adapters on every router's gate weight (MoE models), so routing is trained.
     """
 

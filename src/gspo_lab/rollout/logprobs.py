@@ -84,7 +84,7 @@ def is_checkpointed(model: torch.nn.Module) -> bool:
 
 KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # cache layers holding keys and values only
 # the shared forward runs two decoder calls and gathers a cache, which costs more than it saves unless it saves at
-# least this share of the decoder's tokens and this many tokens (docs/benchmarks.md: the anchor's mini-batches,
+# least this share of the decoder's tokens and this many tokens (docs/performance.md: the anchor's mini-batches,
 # 13% and ~180 tokens saved, and the default experiment's, ~31% and ~180, ran slower; bench_paper's, ~42% and
 # ~2,300, 32% faster)
 MIN_TOKEN_SAVING = 0.25
