@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from scripts import config_reference
+from scripts import config_reference, doc_commands
 from scripts.config_reference import CONF, PAGE, parse, render
 
 
@@ -60,3 +62,32 @@ def test_the_line_parser_finds_every_key_a_yaml_parser_finds(path):
     flows = [f"{key.path}." for key in keys if key.default.startswith("{")]
     expected = {k for k in mapping_keys(OmegaConf.load(path)) if not k.startswith(tuple(flows))}
     assert {key.path for key in keys} == expected, config_reference.__file__
+
+
+README = config_reference.ROOT / "README.md"
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_the_readme_is_a_front_door_not_a_notebook():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250, "README.md: at most ~250 lines; reference material belongs in docs/"
+    assert not re.search(r"\b[Ii]ssue \d+|\bsession \d+", text), "README.md names an issue or a session"
+
+
+def test_every_relative_link_of_the_readme_resolves():
+    targets = [t for t in LINK.findall(README.read_text()) if "://" not in t]
+    assert targets, "the parser found no link"
+    missing = [t for t in targets if not (README.parent / t).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("name", doc_commands.FILES)
+def test_the_documented_commands_are_ones_a_newcomer_can_type(name):
+    """No placeholder (`<run dir>`) in a command the doc runner will run, and every training command shortened."""
+    listed = doc_commands.commands((config_reference.ROOT / name).read_text())
+    assert listed, f"{name}: no ```bash block"
+    for command in listed:
+        assert not re.search(r"<[a-z_ ]+>", command), f"{name}: a placeholder in a runnable command: {command}"
+        shortened = doc_commands.tiny(command)
+        if command.startswith(("gspo-train", "make train")):
+            assert "train.steps=2" in shortened and "sft.steps=25" in shortened, shortened
