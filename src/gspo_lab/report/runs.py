@@ -143,14 +143,18 @@ def load_run(path: Path) -> Run:
                eval_size if isinstance(eval_size, int) else None)
 
 
+def run_dirs(directory: Path) -> list[Path]:
+    """The run dirs under `directory`: those with a run_info.json, or a failed.txt (a job that failed first)."""
+    return sorted({p.parent for name in ("run_info.json", "failed.txt") for p in directory.rglob(name)})
+
+
 def discover(dirs: list[Path]) -> Study:
     """Every run under `dirs`; a run's setting is the overrides not shared by all runs (seed aside)."""
     runs = []
     for directory in dirs:
         if not directory.is_dir():
             raise SystemExit(f"gspo-report: {directory} is not a directory")
-        found = {p.parent for name in ("run_info.json", "failed.txt") for p in directory.rglob(name)}
-        runs.extend(load_run(path) for path in sorted(found))
+        runs.extend(load_run(path) for path in run_dirs(directory))
     shared = frozenset.intersection(*(r.overrides for r in runs)) if runs else frozenset()
     for run in runs:
         run.setting = " ".join(sorted(run.overrides - shared)) or "all runs alike"
