@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
+from gspo_lab.report.study import report
 from scripts import config_reference, doc_commands
 from scripts.config_reference import CONF, PAGE, parse, render
 
@@ -91,3 +93,15 @@ def test_the_documented_commands_are_ones_a_newcomer_can_type(name):
         shortened = doc_commands.tiny(command)
         if command.startswith(("gspo-train", "make train")):
             assert "train.steps=2" in shortened and "sft.steps=25" in shortened, shortened
+
+
+def test_paper_main_s_report_and_figures_come_from_its_committed_runs(tmp_path, monkeypatch):
+    """experiments/paper_main commits what gspo-report reads (runs/); its report.md is what they give, figures too."""
+    monkeypatch.chdir(config_reference.ROOT)  # the report's title names the dir as given
+    study = Path("experiments/paper_main")
+    report([study / "runs"], tmp_path, baseline="algorithm=gspo")
+    assert (tmp_path / "report.md").read_text() == (study / "report.md").read_text(), (
+        "experiments/paper_main/report.md is not what its runs/ give: run "
+        "gspo-report experiments/paper_main/runs --baseline algorithm=gspo --out experiments/paper_main")
+    shown = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", (study / "README.md").read_text())
+    assert shown and all((tmp_path / name).is_file() for name in shown), shown
