@@ -1,7 +1,7 @@
 """Trainer-vs-engine mismatch under each rollout-engine dose: a few RL steps per setting from the same cold
 start, medians of mismatch/*, routing/rollout_disagreement* and (under r3) routing/override_frac.
 
-    python scripts/engine_mismatch.py model=small_moe                  # the README's figures (3-digit addition)
+    python scripts/engine_mismatch.py model=small_moe                  # docs/concepts/rollout-engine.md's figures
     python scripts/engine_mismatch.py model=small_moe task=rg_word_sorting model.tokenizer=task_bpe sft.steps=500 \
         sft.eval_every=500 sft.eval_size=32 sft.batch_size=32 sft.max_new_tokens=80 sft.target_accuracy=1.0 \
         rollout.max_new_tokens=80                                      # long answers
