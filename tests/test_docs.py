@@ -74,6 +74,7 @@ def test_the_readme_is_a_front_door_not_a_notebook():
     text = README.read_text()
     assert len(text.splitlines()) <= 250, "README.md: at most ~250 lines; reference material belongs in docs/"
     assert not re.search(r"\b[Ii]ssue \d+|\bsession \d+", text), "README.md names an issue or a session"
+    assert not re.search(r"MEASURED_|TODO|XXX", text), "README.md holds a placeholder"
 
 
 def test_every_relative_link_of_the_readme_resolves():
