@@ -99,6 +99,14 @@ def fresh_clone(into: Path) -> Path:
     return into
 
 
+def newcomer_env(cache: Path) -> dict[str, str]:
+    """This environment as a newcomer's shell has it: no virtual environment active (nor on PATH), no PYTHONPATH,
+    an empty cold-start cache."""
+    env = {k: v for k, v in os.environ.items() if k not in {"VIRTUAL_ENV", "PYTHONPATH"}}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if ".venv" not in Path(p).parts)
+    return {**env, "GSPO_LAB_CACHE": str(cache)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--here", action="store_true", help="run in this checkout instead of a fresh clone")
@@ -120,14 +128,6 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
     print("doc_commands: every command ran")
     return 0
-
-
-def newcomer_env(cache: Path) -> dict[str, str]:
-    """This environment as a newcomer's shell has it: no virtual environment active (nor on PATH), no PYTHONPATH,
-    an empty cold-start cache."""
-    env = {k: v for k, v in os.environ.items() if k not in {"VIRTUAL_ENV", "PYTHONPATH"}}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if ".venv" not in Path(p).parts)
-    return {**env, "GSPO_LAB_CACHE": str(cache)}
 
 
 if __name__ == "__main__":
