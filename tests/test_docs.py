@@ -96,13 +96,23 @@ def test_the_documented_commands_are_ones_a_newcomer_can_type(name):
             assert "train.steps=2" in shortened and "sft.steps=25" in shortened, shortened
 
 
-def test_paper_main_s_report_and_figures_come_from_its_committed_runs(tmp_path, monkeypatch):
-    """experiments/paper_main commits what gspo-report reads (runs/); its report.md is what they give, figures too."""
+# studies whose report inputs are committed (scripts/study_data.py) -> the --baseline their report was made with
+COMMITTED_STUDIES = {"paper_main": "algorithm=gspo"}
+
+
+@pytest.mark.parametrize("study", sorted(COMMITTED_STUDIES))
+def test_a_study_s_report_and_figures_come_from_its_committed_runs(study, tmp_path, monkeypatch):
+    """A study that commits what gspo-report reads (runs/): its report.md is what they give, its figures too."""
     monkeypatch.chdir(config_reference.ROOT)  # the report's title names the dir as given
-    study = Path("experiments/paper_main")
-    report([study / "runs"], tmp_path, baseline="algorithm=gspo")
-    assert (tmp_path / "report.md").read_text() == (study / "report.md").read_text(), (
-        "experiments/paper_main/report.md is not what its runs/ give: run "
-        "gspo-report experiments/paper_main/runs --baseline algorithm=gspo --out experiments/paper_main")
-    shown = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", (study / "README.md").read_text())
+    folder = Path("experiments") / study
+    report([folder / "runs"], tmp_path, baseline=COMMITTED_STUDIES[study])
+    assert (tmp_path / "report.md").read_text() == (folder / "report.md").read_text(), (
+        f"{folder}/report.md is not what its runs/ give: run gspo-report {folder}/runs "
+        f"--baseline '{COMMITTED_STUDIES[study]}' --out {folder}")
+    shown = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", (folder / "README.md").read_text())
     assert shown and all((tmp_path / name).is_file() for name in shown), shown
+
+
+def test_every_study_with_committed_runs_is_checked():
+    committed = {path.parent.name for path in (config_reference.ROOT / "experiments").glob("*/runs")}
+    assert committed == set(COMMITTED_STUDIES), "add the study and its --baseline to COMMITTED_STUDIES"
