@@ -99,7 +99,8 @@ def test_the_documented_commands_are_ones_a_newcomer_can_type(name):
 # studies whose report inputs are committed (scripts/study_data.py) -> the --baseline their report was made with
 COMMITTED_STUDIES = {"paper_main": "algorithm=gspo", "routing_replay": "algorithm=grpo routing.replay=off",
                      "clip_range": "algorithm=gspo clip_scale=1.0",
-                     "length_norm": "objective.length_norm=True"}
+                     "length_norm": "objective.length_norm=True",
+                     "off_policy": "train.minibatches=4"}
 
 
 @pytest.mark.parametrize("study", sorted(COMMITTED_STUDIES))
