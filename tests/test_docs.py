@@ -100,7 +100,8 @@ def test_the_documented_commands_are_ones_a_newcomer_can_type(name):
 COMMITTED_STUDIES = {"paper_main": "algorithm=gspo", "routing_replay": "algorithm=grpo routing.replay=off",
                      "clip_range": "algorithm=gspo clip_scale=1.0",
                      "length_norm": "objective.length_norm=True",
-                     "off_policy": "train.minibatches=4"}
+                     "off_policy": "train.minibatches=4",
+                     "group_size": "rollout.group_size=8"}
 
 
 @pytest.mark.parametrize("study", sorted(COMMITTED_STUDIES))
