@@ -88,8 +88,8 @@ def tiny(command: str) -> str:
 def script(path: Path) -> str:
     """One bash script running a file's commands in order, each echoed before it runs."""
     lines = ["set -euo pipefail"]
-    for command in commands(path.read_text()):
-        lines += [f"echo {shlex.quote('$ ' + tiny(command))}", tiny(command)]
+    for command in map(tiny, commands(path.read_text())):
+        lines += [f"echo {shlex.quote('$ ' + command)}", command]
     return "\n".join(lines) + "\n"
 
 
