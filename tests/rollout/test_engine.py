@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.config import EngineConfig
@@ -176,3 +177,52 @@ def test_token_tis_corrects_a_trainer_pi_old_toward_a_bf16_engine(compose, rl_ov
     for row in rows:
         assert row["is/weight_mean"] != 1 and 0 <= row["is/capped_frac"] <= 1
         assert abs(row["ratio/token/max"] - 1) <= RATIO_ROUNDING  # π_old is the trainer's: the PPO ratio is on-policy
+
+
+def trainer_precision_context(precision: str):
+    """The context Lightning runs `training_step` (and so generation) in under `trainer.precision` on CPU: none
+    under 32-true, its MixedPrecision plugin's autocast otherwise (16-mixed: float16 autocast, as on a GPU)."""
+    if precision == "32-true":
+        return nullcontext()
+    return MixedPrecision(precision, "cpu").train_step_context()
+
+
+@pytest.mark.parametrize("trainer_precision", ["32-true", "bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("precision, dtype, error", [("fp16", torch.float16, 0.0), ("bf16", torch.bfloat16, 2**-10)])
+def test_the_engine_multiplies_in_its_own_precision_under_every_trainer_precision(trainer_precision, precision,
+                                                                                    dtype, error):
+    """One weight w = 1 + 2^-10 times x = 1, float64 reference 1 + 2^-10. float16 (10 mantissa bits) holds w
+    exactly: error 0. bfloat16 (7 bits) rounds it to 1: error 2^-10. Under bf16-mixed's autocast an fp16 engine
+    would multiply in bfloat16 (output bfloat16, error 2^-10); under 16-mixed a bf16 engine in float16."""
+    trainer_model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        trainer_model.weight.fill_(1 + 2**-10)
+    engine = RolloutEngine(trainer_model, EngineConfig(precision=precision))
+    x = torch.ones(1, 1, dtype=dtype)  # [1, 1]: the engine's activations are in its dtype (its embeddings')
+    with trainer_precision_context(trainer_precision), engine.generating():
+        out = engine.model(x)  # [1, 1]
+    reference = trainer_model.weight.double() @ x.double()  # [1, 1]
+    assert out.dtype == dtype
+    assert (out.double() - reference).abs().item() == error
+
+
+@pytest.mark.parametrize("trainer_precision", ["bf16-mixed", "16-mixed"])
+def test_an_fp16_engine_generates_and_caches_in_float16_under_mixed_precision(tiny_family, trainer_precision):
+    """The same seeds give the same completions and engine log-probs under every trainer precision, and every
+    key and value the engine caches is float16 (under bf16 autocast they became float32)."""
+    model, tokenizer = tiny_family("tiny_dense")
+    engine = RolloutEngine(model, EngineConfig(precision="fp16"))
+    seeds = torch.arange(len(PROMPTS))
+    cached: set[torch.dtype] = set()
+
+    def keep_cache_dtypes(module, args, output):
+        cached.update(tensor.dtype for layer in output.cache.layers for tensor in (layer.keys, layer.values))
+
+    outs = {}
+    with engine.model.register_forward_hook(keep_cache_dtypes):
+        for context in ("32-true", trainer_precision):
+            with trainer_precision_context(context), engine.generating():
+                outs[context] = generate(engine.model, tokenizer, PROMPTS, 6, return_logprobs=True, row_seeds=seeds)
+    assert cached == {torch.float16}
+    assert torch.equal(outs["32-true"].completion_ids, outs[trainer_precision].completion_ids)
+    assert torch.equal(outs["32-true"].logprobs, outs[trainer_precision].logprobs)

@@ -1,7 +1,8 @@
 """The rollout engine: what samples the completions, made to differ from the trainer the way an inference
 engine does (issue 13; GSPO paper section 5.4, R3 arXiv 2510.11370).
 
-    rollout.engine.precision     fp32 | fp16 | bf16   generation with a float16 or bfloat16 copy of the weights
+    rollout.engine.precision     fp32 | fp16 | bf16   generation with a float16 or bfloat16 copy of the weights,
+                                                      computing in that dtype whatever trainer.precision is
     rollout.engine.router_noise  σ >= 0               Gaussian noise on router logits in generation, σ × their std
     rollout.engine.weight_bits   null | 8             generation with weights fake-quantised per output channel
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
 import torch
@@ -98,11 +99,18 @@ class RolloutEngine:
                 value = fake_quantise(value.float(), self.config.weight_bits, self.quantised[name]).to(target.dtype)
             target.copy_(value)
 
-    def generating(self):
-        """Around generate: router noise on the engine model's routers (none by default)."""
-        if self.config.router_noise == 0:
-            return nullcontext()
-        return noisy_routers(self.model, self.config.router_noise)
+    def generating(self) -> ExitStack:
+        """Around generate: an engine copy computes in its own precision, with the autocast that
+        trainer.precision wraps the RL step in turned off (under bf16-mixed a float16 copy would multiply in
+        bfloat16 and cache float32 keys); router noise on the engine model's routers (none by default). The
+        default engine is the trainer's model itself and computes as the trainer does."""
+        context = ExitStack()
+        if self.copy is not None:
+            device_type = next(self.copy.parameters()).device.type
+            context.enter_context(torch.autocast(device_type, enabled=False))
+        if self.config.router_noise != 0:
+            context.enter_context(noisy_routers(self.model, self.config.router_noise))
+        return context
 
 
 @contextmanager
