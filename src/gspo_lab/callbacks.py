@@ -89,6 +89,8 @@ class RLStepCheckpoint(ModelCheckpoint):
     `rl_step=<k>.ckpt` (the filename's `{rl_step}`) and `last.ckpt`, and the end of training writes `last.ckpt`
     of the final step, so `ckpt_path=last` always resumes from the newest step. Epoch and validation ends save
     nothing (one epoch is the whole run; evaluation runs inside the RL step).
+    `last.ckpt` is always overwritten, also when another writer put it there (GracefulStop, a run stopped by
+    skipped updates): Lightning's version counter would take it for a stranger's file and write `last-v1.ckpt`.
     """
 
     def __init__(self, every_n_rl_steps: int, **kwargs) -> None:
@@ -119,5 +121,6 @@ class RLStepCheckpoint(ModelCheckpoint):
         candidates["rl_step"] = torch.tensor(step)
         if periodic:
             self._save_topk_checkpoint(trainer, candidates)
+        self.last_model_path = self.format_checkpoint_name(candidates, self.CHECKPOINT_NAME_LAST)  # ours: no -v1
         self._save_last_checkpoint(trainer, candidates)
         self.last_rl_step_saved = step
