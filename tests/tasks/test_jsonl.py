@@ -69,3 +69,15 @@ def test_the_cli_names_the_key_for_a_too_small_file(compose, tmp_path):
     path = write(tmp_path / "small.jsonl", [json.dumps({"prompt": p, "answer": "1"}) for p in ("a", "b", "c")])
     with pytest.raises(ConfigError, match="task.eval_fraction=0.1 holds out 0 of the 3 records"):
         plan(compose(["task=jsonl", f"task.path={path}", f"paths.output_dir={tmp_path}"]))
+
+
+def test_each_split_is_hashed_once_not_at_every_request(monkeypatch):
+    hashed, split_of = [], JsonlTask.split_of
+    monkeypatch.setattr(JsonlTask, "split_of", lambda task, prompt: hashed.append(prompt) or split_of(task, prompt))
+    task = JsonlTask.from_records([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(50)])
+    for step in range(3):  # three RL steps' prompts and an evaluation
+        task.examples("train", 4, seed=step)
+    task.eval_examples()
+    assert len(hashed) == 50  # each record once, for both splits (before: 50 per call, 300 in all)
+    task.records = task.records[:10]  # a new record list (drop_long_prompts): its split is hashed anew
+    assert {e.prompt for e in task.pool("train") + task.pool("eval")} == {f"{i}+{i}=" for i in range(10)}
