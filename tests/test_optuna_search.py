@@ -4,6 +4,7 @@ replay the seeded proposals, and processes sharing one storage run the study's t
 (gspo_lab/sweeper.py) runs in-process against a launcher that scores instantly; the last test kills a real
 gspo-train search and resumes it from its sqlite file."""
 
+import math
 import os
 import signal
 import sqlite3
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 from contextlib import closing
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import optuna
@@ -38,12 +40,15 @@ class Crash(Exception):
 
 class ScoringLauncher:
     """A launcher whose jobs score x (their override) at once and record (job number, x); it raises Crash
-    instead of running its own job `crash_at`, as a process killed during that trial, and its job `fail_at`
-    returns None, as gspo-train's main does for a job that failed (failed.txt)."""
+    instead of running its own job `crash_at`, as a process killed during that trial, its job `fail_at`
+    returns None, as gspo-train's main does for a job that failed (failed.txt), and its job `nan_at` returns NaN,
+    as gspo-train does for a run that never measured its held-out accuracy."""
 
-    def __init__(self, crash_at: int | None = None, fail_at: int | None = None, seconds_per_job: float = 0.0):
+    def __init__(self, crash_at: int | None = None, fail_at: int | None = None, seconds_per_job: float = 0.0,
+                 nan_at: int | None = None):
         self.jobs: list[tuple[int, float]] = []
         self.crash_at, self.fail_at, self.seconds_per_job = crash_at, fail_at, seconds_per_job
+        self.nan_at = nan_at
 
     def launch(self, job_overrides, initial_job_idx):
         returns = []
@@ -52,18 +57,18 @@ class ScoringLauncher:
                 raise Crash
             time.sleep(self.seconds_per_job)
             x = float(dict(o.split("=", 1) for o in overrides)["x"])
-            score = None if len(self.jobs) == self.fail_at else x
+            score = None if len(self.jobs) == self.fail_at else math.nan if len(self.jobs) == self.nan_at else x
             self.jobs.append((number, x))
             returns.append(JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=score))
         return returns
 
 
-def sweeper(storage, n_trials: int, launcher: ScoringLauncher, sweep_dir: Path, seed: int = 1234):
+def sweeper(storage, n_trials: int, launcher: ScoringLauncher, sweep_dir: Path, seed: int = 1234, n_jobs: int = 1):
     """The resumable sweeper maximising x in [0, 1] with TPE (seeded, 10 random start-up trials), as
     hparams_search=gspo_optuna builds it; `storage` a URL, a storage object or None."""
     search = ResumableOptunaSweeperImpl(
         sampler=optuna.samplers.TPESampler(seed=seed), direction="maximize", storage=storage,
-        study_name=None if storage is None else "search", n_trials=n_trials, n_jobs=1, max_failure_rate=0.0,
+        study_name=None if storage is None else "search", n_trials=n_trials, n_jobs=n_jobs, max_failure_rate=0.0,
         search_space=None, custom_search_space=None, params=OmegaConf.create({"x": "interval(0, 1)"}))
     # what setup() takes from a Hydra run
     search.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}}})
@@ -108,6 +113,49 @@ def test_a_failed_trial_is_run_again_within_a_launchs_budget(tmp_path):
     second = ScoringLauncher()
     sweeper(url, 3, second, tmp_path).sweep([])
     assert [number for number, _ in second.jobs] == [3]  # the one completed trial the study lacked
+
+
+def test_a_trial_whose_objective_is_nan_is_failed_and_the_search_goes_on(tmp_path):
+    """The plugin told a NaN as COMPLETE, optuna refused it, and the plugin's fallback then told FAIL with the NaN:
+    `ValueError: Values were told` ended the whole search at the first NaN."""
+    url = f"sqlite:///{tmp_path / 'search.db'}"
+    launcher = ScoringLauncher(nan_at=1)
+    sweeper(url, 3, launcher, tmp_path).sweep([])
+    study = optuna.load_study(study_name="search", storage=url)
+    assert [t.state for t in study.trials] == [COMPLETE, FAIL, COMPLETE]  # one launch runs at most n_trials
+    assert best_value(tmp_path) == max(x for number, x in launcher.jobs if number != 1)
+
+
+def test_a_search_whose_runs_never_evaluate_is_refused_before_its_first_trial(tmp_path):
+    """gspo-train returns the final held-out accuracy, NaN under train.eval_every=0: every trial would fail."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="train", overrides=["hparams_search=gspo_optuna", "train.eval_every=0"],
+                            return_hydra_config=True)
+    cfg.hydra.sweep.dir = str(tmp_path)
+    launcher = ScoringLauncher()
+    search = sweeper(None, 3, launcher, tmp_path)
+    search.config = cfg  # what Hydra's setup() gives the sweeper: the composed config, command-line values in it
+    with pytest.raises(ValueError, match=r"train.eval_every=0 is invalid with hparams_search=gspo_optuna"):
+        search.sweep([])
+    assert launcher.jobs == []
+
+
+def test_run_dirs_take_their_trials_numbers_when_another_process_asks_between_them(tmp_path, monkeypatch):
+    """A launcher numbers a batch's jobs consecutively from its first; with n_jobs=2 and another process asking
+    trial 1 between this batch's trials 0 and 2, trial 2 ran in run dir 1_..., the other process's trial 1's."""
+    url = f"sqlite:///{tmp_path / 'search.db'}"
+    ask = optuna.Study.ask
+
+    def ask_then_another_process_asks(study, *args, **kwargs):
+        trial = ask(study, *args, **kwargs)
+        if trial.number == 0:
+            ask(optuna.load_study(study_name="search", storage=url))  # trial 1, the other process's
+        return trial
+
+    monkeypatch.setattr(optuna.Study, "ask", ask_then_another_process_asks)
+    launcher = ScoringLauncher()
+    sweeper(url, 2, launcher, tmp_path, n_jobs=2).sweep([])
+    assert [number for number, _ in launcher.jobs] == [0, 2]
 
 
 def test_a_crashed_search_resumes_from_its_storage_and_completes_its_trial_count(tmp_path):
@@ -208,17 +256,31 @@ def test_a_killed_gspo_train_search_resumes_from_its_sqlite_file(tmp_path):
     assert results["best_value"] == study.best_value and results["best_params"] == study.best_params
 
 
-def test_a_trial_killed_before_its_first_heartbeat_is_failed_once_the_grace_period_is_over(tmp_path):
+def start_trial_at(db: Path, number: int, hours: float) -> None:
+    """Sets trial `number`'s datetime_start to this clock's now plus `hours`: as written by a machine whose clock
+    is that far ahead of this one's (or in another time zone; optuna writes local time)."""
+    start = (datetime.now() + timedelta(hours=hours)).strftime("%Y-%m-%d %H:%M:%S.%f")
+    with closing(sqlite3.connect(db)) as connection, connection:
+        connection.execute("UPDATE trials SET datetime_start = ? WHERE number = ?", (start, number))
+
+
+def test_a_trial_without_heartbeat_is_failed_once_this_process_has_waited_the_grace_period(tmp_path):
     """Optuna's fail_stale_trials skips trials without a heartbeat: a search killed between asking for a trial and
-    recording its first heartbeat left it RUNNING for ever (CI caught it on a loaded machine)."""
-    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'search.db'}", heartbeat_interval=1, grace_period=1)
-    study = optuna.create_study(study_name="s", storage=storage)
-    orphan = study.ask()  # its process died before any heartbeat
-    beating = study.ask()
+    recording its first heartbeat left it RUNNING for ever (CI caught it on a loaded machine). The wait is timed on
+    this process's clock alone: a trial's datetime_start is the clock of the machine that asked for it, so comparing
+    it with this one's kept an orphan from a machine ahead RUNNING and failed a live trial from one behind."""
+    db = tmp_path / "search.db"
+    storage = optuna.storages.RDBStorage(f"sqlite:///{db}", heartbeat_interval=1, grace_period=1)
+    elsewhere = optuna.create_study(study_name="s", storage=storage)  # the other machines' processes
+    orphan = elsewhere.ask()  # its process, on a machine an hour ahead, died before any heartbeat
+    start_trial_at(db, orphan.number, hours=1)
+    beating = elsewhere.ask()
     storage.record_heartbeat(beating._trial_id)
-    time.sleep(2.5)
-    fresh = study.ask()  # asked just now: within the grace period, its heartbeat may be on its way
-    assert fail_trials_without_heartbeat(study) == [orphan._trial_id]
-    states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
+    here, first_seen = optuna.load_study(study_name="s", storage=storage), {}
+    assert fail_trials_without_heartbeat(here, first_seen, now=100.0) == []  # seen without one from now on
+    fresh = elsewhere.ask()  # asked just now on a machine an hour behind: its heartbeat may be on its way
+    start_trial_at(db, fresh.number, hours=-1)
+    assert fail_trials_without_heartbeat(here, first_seen, now=101.5) == [orphan._trial_id]  # 1.5 s > grace 1 s
+    states = {t.number: t.state for t in optuna.load_study(study_name="s", storage=storage).trials}
     assert states == {orphan.number: TrialState.FAIL, beating.number: TrialState.RUNNING,
                       fresh.number: TrialState.RUNNING}  # a stale heartbeat is fail_stale_trials' to judge

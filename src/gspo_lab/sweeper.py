@@ -9,9 +9,14 @@ search stored in a database is resumed by running its command again:
 - A process that died leaves its trials RUNNING in the storage. With an RDB storage the sweeper records a
   heartbeat for its running trials, and before each batch fails the trials whose heartbeat is older than the
   grace period (Optuna's `fail_stale_trials`; a URL gets HEARTBEAT_INTERVAL_S and twice that), and those that
-  started longer ago than that and never recorded one (`fail_trials_without_heartbeat`). Only COMPLETE
-  trials count, so a failed trial is run again, within a budget of n_trials trials per launch.
-- Run dirs are numbered by trial number, so a resumed search can write into the sweep dir it started.
+  this process has seen without any heartbeat for longer than that (`fail_trials_without_heartbeat`). Neither
+  compares one machine's clock with another's: heartbeats are stamped and judged by the database's clock, the
+  sightings by this process's. Only COMPLETE trials count, so a failed trial is run again, within a budget of
+  n_trials trials per launch.
+- A trial whose objective is NaN (gspo-train's, for a run that never evaluated) is failed and the search goes
+  on; a search whose runs never evaluate (train.eval_every=0) is refused before its first trial.
+- Run dirs are numbered by trial number, so a resumed search can write into the sweep dir it started, and
+  processes sharing a study and a sweep dir never write into one run dir.
 - A study that already holds trials (a resume, or a second process joining) reseeds the sampler, which would
   otherwise propose its seeded first trials again.
 - Several processes (machines) given one storage and study name share its trials: each asks for trials until
@@ -25,13 +30,17 @@ is one call of the plugin's own sweep, for that batch's trials.
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
+import time
 import warnings
-from datetime import datetime
 from typing import Any
 
 import optuna
+from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
+from omegaconf import DictConfig, OmegaConf
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import TrialState
 
@@ -39,6 +48,8 @@ from optuna.trial import TrialState
 # this. Other intervals: the storage as a node, {_target_: optuna.storages.RDBStorage, url: ...,
 # heartbeat_interval: 10, grace_period: 30}
 HEARTBEAT_INTERVAL_S = 60
+
+log = logging.getLogger(__name__)
 
 
 def study_storage(storage: Any) -> optuna.storages.BaseStorage | str:
@@ -51,11 +62,15 @@ def study_storage(storage: Any) -> optuna.storages.BaseStorage | str:
     return optuna.storages.RDBStorage(storage, heartbeat_interval=HEARTBEAT_INTERVAL_S)
 
 
-def fail_trials_without_heartbeat(study: optuna.Study) -> list[int]:
-    """Fail the RUNNING trials that never recorded a heartbeat and started more than the grace period ago; returns
-    their ids. Optuna's fail_stale_trials skips trials without a heartbeat, so a process killed between asking for
-    a trial and its first heartbeat (a few milliseconds, longer on a loaded machine) left that trial RUNNING for
-    ever. Uses optuna 2.10's RDB storage internals (the plugin pins optuna<3)."""
+def fail_trials_without_heartbeat(study: optuna.Study, first_seen: dict[int, float],
+                                  now: float | None = None) -> list[int]:
+    """Fail the RUNNING trials that this process has seen without a heartbeat for longer than the grace period;
+    returns their ids. `first_seen` (kept between calls) maps a trial id to when this process first saw it without
+    one, on its monotonic clock (`now`, time.monotonic() if None). Optuna's fail_stale_trials skips trials without a
+    heartbeat, so a process killed between asking for a trial and its first heartbeat (a few milliseconds, longer
+    on a loaded machine) left that trial RUNNING for ever. The trial's datetime_start would not do: it is the local
+    time of the machine that asked for it, which another machine's clock or time zone may put hours away. Uses
+    optuna 2.10's RDB storage internals (the plugin pins optuna<3)."""
     cached = study._storage  # optuna 2.10's Study has no public storage; an RDB one comes wrapped in a cache
     storage = getattr(cached, "_backend", cached)
     if not isinstance(storage, optuna.storages.RDBStorage) or not storage.is_heartbeat_enabled():
@@ -64,15 +79,73 @@ def fail_trials_without_heartbeat(study: optuna.Study) -> list[int]:
     from optuna.storages._rdb.storage import _create_scoped_session
 
     grace = storage.grace_period or 2 * storage.heartbeat_interval
-    now, failed = datetime.now(), []  # datetime_start is this clock's (optuna's datetime.now())
+    now, failed = time.monotonic() if now is None else now, []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if trial.datetime_start is None or (now - trial.datetime_start).total_seconds() <= grace:
-            continue
         with _create_scoped_session(storage.scoped_session) as session:
             beaten = models.TrialHeartbeatModel.where_trial_id(trial._trial_id, session) is not None
-        if not beaten and cached.set_trial_state(trial._trial_id, TrialState.FAIL):
+        if beaten or now - first_seen.setdefault(trial._trial_id, now) <= grace:
+            continue
+        if cached.set_trial_state(trial._trial_id, TrialState.FAIL):
             failed.append(trial._trial_id)
     return failed
+
+
+def check_objective(config: DictConfig) -> None:
+    """Refuse a search whose runs never measure what it maximises: gspo-train returns the final held-out accuracy,
+    NaN under train.eval_every=0, which would fail every trial. `config` is the sweep's composed config."""
+    if OmegaConf.select(config, "train.eval_every") == 0:
+        raise ValueError(
+            "train.eval_every=0 is invalid with hparams_search=gspo_optuna: the search maximises the final held-out "
+            "accuracy (eval/accuracy_after), which a run that never evaluates does not measure; set train.eval_every "
+            "to a positive number of RL steps"
+        )
+
+
+def is_nan(value: Any) -> bool:
+    """Whether an objective (a number, or a list of them for several directions) holds a NaN.
+
+    >>> is_nan(float("nan")), is_nan([0.5, float("nan")]), is_nan(0.5), is_nan(None)
+    (True, True, False, False)
+    """
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return any(isinstance(v, float) and math.isnan(v) for v in values)
+
+
+def consecutive_runs(numbers: list[int]) -> list[tuple[int, int]]:
+    """The (start, stop) index ranges of `numbers` that hold consecutive integers.
+
+    >>> consecutive_runs([3, 4, 6, 7, 9])
+    [(0, 2), (2, 4), (4, 5)]
+    """
+    starts = [i for i, number in enumerate(numbers) if i == 0 or number != numbers[i - 1] + 1]
+    return list(zip(starts, starts[1:] + [len(numbers)]))
+
+
+class TrialLauncher:
+    """Hydra's launcher as the plugin's loop uses it for one batch of trials (`trial_numbers`, set as the batch is
+    configured).
+
+    - Each job (its run dir) takes its trial's number. A launcher numbers a batch's jobs consecutively from
+      initial_job_idx, and a batch's trials are not consecutive when another process asked for trials between
+      them: such a batch is launched in runs of consecutive numbers, each run in parallel as the launcher allows.
+    - A NaN objective comes back as None, which the plugin records as a failed trial. Given the NaN, it told the
+      trial COMPLETE, optuna refused the NaN, and telling FAIL with the same value then ended the whole search.
+    """
+
+    def __init__(self, launcher: Any) -> None:
+        self.launcher = launcher
+        self.trial_numbers: list[int] = []
+
+    def launch(self, job_overrides: list[list[str]], initial_job_idx: int) -> list[JobReturn]:
+        """Runs the batch's jobs; initial_job_idx (the plugin's count) gives way to the trials' numbers."""
+        numbers, returns = self.trial_numbers, []
+        for start, stop in consecutive_runs(numbers):
+            returns += self.launcher.launch(job_overrides[start:stop], initial_job_idx=numbers[start])
+        for number, job in zip(numbers, returns):
+            if job.status == JobStatus.COMPLETED and is_nan(job.return_value):
+                log.warning("trial %d: its objective is NaN; recorded as a failed trial", number)
+                job.return_value = None
+        return returns
 
 
 class Heartbeats:
@@ -116,8 +189,12 @@ class ResumableOptunaSweeperImpl(OptunaSweeperImpl):
         super().__init__(*args, **kwargs)
         self.storage = study_storage(self.storage)
         self.heartbeats: Heartbeats | None = None
+        self.unbeaten_since: dict[int, float] = {}  # fail_trials_without_heartbeat's first sightings
 
     def sweep(self, arguments: list[str]) -> None:
+        check_objective(self.config)
+        if not isinstance(self.launcher, TrialLauncher):
+            self.launcher = TrialLauncher(self.launcher)
         study = optuna.create_study(study_name=self.study_name, storage=self.storage,
                                     directions=self._get_directions(), load_if_exists=True)
         self.study_name = study.study_name  # so a storage without a study name gives the plugin this study
@@ -130,7 +207,7 @@ class ResumableOptunaSweeperImpl(OptunaSweeperImpl):
                 with warnings.catch_warnings():  # marked experimental in optuna 2.10
                     warnings.simplefilter("ignore", ExperimentalWarning)
                     optuna.storages.fail_stale_trials(study)
-                fail_trials_without_heartbeat(study)
+                fail_trials_without_heartbeat(study, self.unbeaten_since)
                 completed = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
                 self.n_trials = max(0, min(self.n_jobs, launch_budget, total - completed))
                 super().sweep(arguments)  # runs self.n_trials trials, then writes optimization_results.yaml
@@ -140,8 +217,8 @@ class ResumableOptunaSweeperImpl(OptunaSweeperImpl):
 
     def _configure_trials(self, trials: list[optuna.Trial], *args: Any) -> Any:
         """The plugin's overrides for a batch of asked trials, whose heartbeats start now. Their jobs (run dirs)
-        are numbered from the first one's trial number, so a resumed search can keep its sweep dir."""
-        assert self.heartbeats is not None
+        take their trials' numbers (TrialLauncher), so a resumed search can keep its sweep dir."""
+        assert self.heartbeats is not None and isinstance(self.launcher, TrialLauncher)
         self.heartbeats.running([trial._trial_id for trial in trials])
-        self.job_idx = trials[0].number
+        self.launcher.trial_numbers = [trial.number for trial in trials]
         return super()._configure_trials(trials, *args)
