@@ -66,3 +66,16 @@ def test_nested_answer_columns_and_chat_prompts_as_dapo_math_stores_them(tmp_pat
     example = next(e for e in task.records if e.prompt[0]["content"] == "Compute 7 squared.")
     assert example.answer == "49" and example.meta["data_source"] == "math_dapo"
     assert task.reward(example, r"so $\boxed{49}$") == 1.0
+
+
+def test_repeated_prompts_are_dropped_and_counted_when_asked(caplog):
+    # DAPO-Math-17k on the hub repeats each prompt 100 times; here 3 distinct prompts, the first two repeated
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    rows = [{"prompt": chat, "answer": "4"}, {"prompt": "1+1?", "answer": "2"}, {"prompt": "3+3?", "answer": "6"},
+            {"prompt": [dict(m) for m in chat], "answer": "4"}, {"prompt": "1+1?", "answer": "2"}]
+    held_out = [{"prompt": "9+9?", "answer": "18"}]
+    assert len(HFDataset(rows=rows, eval_rows=held_out).records) == 5  # off by default: every row kept
+    with caplog.at_level("INFO", logger="gspo_lab.tasks.hf"):
+        task = HFDataset(rows=rows, eval_rows=held_out, dedup_prompts=True)
+    assert [e.prompt for e in task.records] == [chat, "1+1?", "3+3?"]  # the first of each, in order
+    assert task.dropped_duplicates == 2 and "dropped 2 of 6 rows repeating an earlier prompt" in caplog.text

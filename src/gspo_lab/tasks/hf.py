@@ -63,6 +63,26 @@ def load_split(path: str, name: str | None, data_files: Any, split: str, revisio
     return [dict(row) for row in dataset]
 
 
+def prompt_key(prompt: str | list) -> str:
+    """A prompt as one string, what the hash split hashes: text as it is, chat messages as sorted-key JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def first_of_each_prompt(examples: list[Example]) -> list[Example]:
+    """The first example of each distinct prompt, in order.
+
+    >>> [e.answer for e in first_of_each_prompt([Example("1+1?", "2"), Example("2+2?", "4"), Example("1+1?", "2")])]
+    ['2', '4']
+    """
+    seen, kept = set(), []
+    for example in examples:
+        key = prompt_key(example.prompt)
+        if key not in seen:
+            seen.add(key)
+            kept.append(example)
+    return kept
+
+
 class HFDataset(JsonlTask):
     """Examples from a `datasets` split; the held-out set from `eval_split` or the hash split.
 
@@ -78,6 +98,8 @@ class HFDataset(JsonlTask):
         match: the task's checker: math_verify, numeric or exact.
         max_prompt_tokens: prompts longer than this, as formatted for the model, are dropped once the tokenizer
             is loaded (`drop_long_prompts`, counted and logged); None keeps every prompt.
+        dedup_prompts: keep the first row of each distinct prompt only, in each split (counted in
+            `dropped_duplicates` and logged): DAPO-Math-17k's hub copy holds each of its 17.9k prompts 100 times.
         Other arguments: see `Task`.
     """
 
@@ -85,7 +107,8 @@ class HFDataset(JsonlTask):
 
     def __init__(self, path=None, name=None, data_files=None, split="train", eval_split=None, revision=None,
                  prompt_column="prompt", answer_column="answer", answer_pattern=None, solution_column=None,
-                 match="math_verify", max_prompt_tokens=None, rows=None, eval_rows=None, **kwargs) -> None:
+                 match="math_verify", max_prompt_tokens=None, dedup_prompts=False, rows=None, eval_rows=None,
+                 **kwargs) -> None:
         Task.__init__(self, **kwargs)
         if match not in MATCHES:
             raise ValueError(f"task.match={match!r} must be one of {list(MATCHES)}")
@@ -93,6 +116,8 @@ class HFDataset(JsonlTask):
             raise ValueError("task.path is not set: task=hf needs task.path=<hub id, dataset folder or data file>")
         if max_prompt_tokens is not None and not (isinstance(max_prompt_tokens, int) and max_prompt_tokens >= 1):
             raise ValueError(f"task.max_prompt_tokens={max_prompt_tokens!r} must be null or an integer >= 1")
+        if not isinstance(dedup_prompts, bool):
+            raise ValueError(f"task.dedup_prompts={dedup_prompts!r} must be true or false")
         self.match, self.max_prompt_tokens, self.dropped_long = match, max_prompt_tokens, 0
         self.prompt_column, self.answer_column, self.solution_column = prompt_column, answer_column, solution_column
         self.pattern = re.compile(answer_pattern) if answer_pattern else None
@@ -103,8 +128,19 @@ class HFDataset(JsonlTask):
         if eval_split is not None or eval_rows is not None:
             eval_rows = eval_rows if eval_rows is not None else load_split(path, name, data_files, eval_split, revision)
             self.eval_records = self._examples(eval_rows, f"{source} split {eval_split!r}")
-        else:
+        self.dropped_duplicates = self._drop_repeated_prompts() if dedup_prompts else 0
+        if self.eval_records is None:
             self._check_split(source)
+
+    def _drop_repeated_prompts(self) -> int:
+        """Keep the first example of each distinct prompt in each split; returns how many were dropped."""
+        before = len(self.records) + len(self.eval_records or [])
+        self.records = first_of_each_prompt(self.records)
+        if self.eval_records is not None:
+            self.eval_records = first_of_each_prompt(self.eval_records)
+        dropped = before - len(self.records) - len(self.eval_records or [])
+        log.info("task=hf: dropped %d of %d rows repeating an earlier prompt (task.dedup_prompts)", dropped, before)
+        return dropped
 
     def _examples(self, rows: list[dict], where: str) -> list[Example]:
         if not rows:
@@ -135,7 +171,7 @@ class HFDataset(JsonlTask):
         return Example(prompt=prompt, answer=reference.strip(), meta=meta, solution=solution)
 
     def split_of(self, prompt) -> str:
-        return super().split_of(prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True))
+        return super().split_of(prompt_key(prompt))
 
     def drop_long_prompts(self, render, tokenizer, max_tokens: int) -> int:
         """Drop the examples whose formatted prompt is longer than `max_tokens` tokens; returns how many."""
