@@ -15,6 +15,7 @@ from gspo_lab.rewards import (
     build_rewards,
     math_accuracy,
     reward_name,
+    think_format,
 )
 from gspo_lab.tasks import Arithmetic
 from tests.rewards import user_rewards
@@ -164,3 +165,20 @@ def test_grading_workers_start_inside_a_joblib_launcher_job():
 
     results = Parallel(n_jobs=2, backend="loky")(delayed(grade_in_a_joblib_worker)(TEXTS) for _ in range(2))
     assert results == [[1.0, 1.0, 1.0]] * 2
+
+
+@pytest.mark.parametrize("prompt, completion, settings, reward", [
+    ("Q: 1+1?", "<think>\nadd them\n</think>\n2", {}, 1.0),  # the block opened, closed, then answered
+    ("Q: 1+1?", "add them\n</think>\n2", {}, 0.0),  # the block never opened
+    # the prompt (as the data holds it, e.g. a rendered DeepSeek-R1 prompt) already opened the block
+    ("<｜User｜>1+1?<｜Assistant｜><think>\n", "add them\n</think>\n2", {}, 1.0),
+    ("<｜User｜>1+1?<｜Assistant｜><think>\n", "add them\n</think>\n", {}, 0.0),  # closed, but no answer
+    ("<｜User｜>1+1?<｜Assistant｜><think>\n", "<think>add them</think>\n2", {}, 0.0),  # a second, nested block
+    # the chat template opens it (prefilled=true), out of sight of the data's prompt
+    ([{"role": "user", "content": "1+1?"}], [{"role": "assistant", "content": "add them</think> 2"}],
+     {"prefilled": True}, 1.0),
+    ("Q: 1+1?", "add them, no close 2", {"prefilled": True}, 0.0),
+])
+def test_think_format_scores_a_completion_that_starts_inside_a_block_the_prompt_opened(prompt, completion,
+                                                                                       settings, reward):
+    assert think_format([prompt], [completion], **settings) == [reward]

@@ -25,7 +25,10 @@ from typing import Any
 from gspo_lab.tasks.base import Example, Task
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# a completion that opens a think block, closes it, then answers
 THINK = re.compile(r"^\s*<think>.*?</think>\s*\S", re.DOTALL)
+# a completion that starts inside a block its prompt opened: closes it (opening no other), then answers
+THINK_OPENED = re.compile(r"^(?:(?!<think>).)*?</think>\s*\S", re.DOTALL)
 
 
 def text_of(completion: Any) -> str:
@@ -84,10 +87,29 @@ def boxed_match(prompts, completions, answer, **kwargs) -> list[float]:
     return rewards
 
 
-def think_format(prompts, completions, **kwargs) -> list[float]:
+def think_format(prompts, completions, prefilled: bool = False, **kwargs) -> list[float]:
     """1 where the completion opens with a closed `<think>...</think>` block followed by an answer (open-r1's
-    format reward, without its exact newlines)."""
-    return [float(THINK.match(text_of(c)) is not None) for c in completions]
+    format reward, without its exact newlines). Where the generation prompt already opened the block, the
+    completion starts inside it and scores 1 when it closes it, opening no other, then answers: when the prompt
+    (as the data holds it) ends with `<think>`, or with `prefilled=true`, for a chat template that adds `<think>`
+    to the generation prompt out of the data's sight (DeepSeek-R1's distills). TRL's think_format_reward scores
+    such completions 0 (TRL issue #6966).
+
+    >>> think_format(["1+1=<think>\\n"], ["add them\\n</think>\\n2"])
+    [1.0]
+    >>> think_format(None, ["add them</think> 2"], prefilled=True)
+    [1.0]
+    """
+    if not isinstance(prefilled, bool):
+        raise ValueError(f"think_format: prefilled={prefilled!r} must be true or false")
+    prompts = [None] * len(completions) if prompts is None else prompts
+    return [float((THINK_OPENED if prefilled or opens_think(p) else THINK).match(text_of(c)) is not None)
+            for p, c in zip(prompts, completions)]
+
+
+def opens_think(prompt) -> bool:
+    """Whether a prompt (text, or chat messages) ends with an opened `<think>`."""
+    return prompt is not None and (text_of(prompt) or "").rstrip().endswith("<think>")
 
 
 def soft_overlong_punishment(prompts, completions, completion_ids, max_length: int, cache_length: int,
