@@ -9,15 +9,18 @@ import os
 import subprocess
 import sys
 
+import lightning as L
 import pytest
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from gspo_lab.train import ConfigError, build, plan
 
 
-def first_step_gradients(compose, overrides: list[str]) -> list[torch.Tensor]:
+def first_step_gradients(compose, overrides: list[str], callbacks: tuple = ()) -> list[torch.Tensor]:
     """The gradients the first optimizer step of a one-step run receives (after accumulation, before clipping)."""
     run, module, _ = build(compose(overrides))
+    run.trainer.callbacks.extend(callbacks)
     captured: list[list[torch.Tensor]] = []
     factory = module.optimizer_factory
 
@@ -50,6 +53,43 @@ def test_the_update_does_not_depend_on_the_micro_batch_size(replay, compose, rl_
         for got, expected in zip(gradients[size], whole):
             # float32 sums of a few hundred terms in another grouping: a few eps of the tensor's largest entry
             torch.testing.assert_close(got, expected, rtol=0, atol=64 * 1.2e-7 * expected.abs().max().item() + 1e-12)
+
+
+class CountAllReduces(L.Callback):
+    """Counts the gradient all-reduces of the DDP-wrapped module (one per bucket per synchronised backward), each
+    still done by DDP's default hook."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.strategy.model.register_comm_hook(None, self.all_reduce)
+
+    def all_reduce(self, process_group, bucket):
+        self.calls += 1
+        return default_hooks.allreduce_hook(process_group, bucket)  # None: the default group
+
+
+def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_micro_batch_size(compose, rl_overrides, tmp_path):
+    """One DDP rank (gloo, in this process): 8-row mini-batches in 3 micro-batches (3, 3, 2 rows) all-reduce their
+    gradients in the last micro-batch's backward only (DDP's no_sync around the others), so as often as whole
+    mini-batches do: once per bucket per optimizer step, 2 steps. The gradient is the same to float32 rounding."""
+    gradients, counts = {}, {}
+    try:
+        for size in ("null", "3"):
+            counter = CountAllReduces()
+            overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")]
+            gradients[size] = first_step_gradients(compose, overrides + [
+                "trainer=ddp", "trainer.devices=1", "trainer.accelerator=cpu", f"train.micro_batch_size={size}",
+                "train.steps=1", f"paths.output_dir={tmp_path / size}"], callbacks=(counter,))
+            counts[size] = counter.calls
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert counts["null"] > 0 and counts["null"] % 2 == 0  # 2 optimizer steps, the same buckets each
+    assert counts["3"] == counts["null"]
+    for got, expected in zip(gradients["3"], gradients["null"], strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=64 * 1.2e-7 * expected.abs().max().item() + 1e-12)
 
 
 def test_the_samples_do_not_depend_on_the_generation_batch_size(compose, rl_overrides, tmp_path):

@@ -33,6 +33,7 @@ from typing import Callable
 import lightning as L
 import torch
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.strategies import ParallelStrategy
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -266,17 +267,18 @@ class RLModule(RolloutCollection, L.LightningModule):
     def accumulate(self, minibatch: RolloutBatch, before: FirstForwards | None = None) -> dict[str, float] | None:
         """The mini-batch's gradient, accumulated over micro-batches of train.micro_batch_size rows, each loss
         weighted by its share D_m / D of the aggregation's count (gspo_lab.objectives.micro_batches), and its
-        metrics; None when a loss was non-finite (on every rank). `before` gathers the forwards' log-probs and
-        experts."""
+        metrics; None when a loss was non-finite (on every rank). Under DDP only the last micro-batch's backward
+        all-reduces (`gradient_sync`). `before` gathers the forwards' log-probs and experts."""
         count = len(minibatch.rewards)
         slices = micro_batches.micro_slices(count, self.train_cfg.micro_batch_size)
         split = len(slices) > 1
         total = micro_batches.denominator(self.objective, minibatch.loss_mask).clamp(min=1) if split else None
         keys, collected = None, []
-        for rows in slices:
+        for index, rows in enumerate(slices):
             micro = minibatch.rows(torch.arange(count, device=self.device)[rows]) if split else minibatch
             share = micro_batches.denominator(self.objective, micro.loss_mask) / total if split else None
-            out, entropy = self.forward_backward(micro, share, before)
+            with self.gradient_sync(last=index == len(slices) - 1):
+                out, entropy = self.forward_backward(micro, share, before)
             if out is None:
                 return None
             mask = micro.loss_mask
@@ -288,6 +290,16 @@ class RLModule(RolloutCollection, L.LightningModule):
         host = torch.stack(collected).cpu().tolist()  # one copy to the host per mini-batch, not one per metric
         parts = [(dict(zip(keys, row[:-3])), *row[-3:]) for row in host]
         return micro_batches.combine(self.objective, parts)
+
+    def gradient_sync(self, last: bool):
+        """Around a micro-batch's backward: under DDP, no all-reduce but in a mini-batch's last micro-batch (Lightning's
+        `block_backward_sync`, DDP's `no_sync`), whose all-reduce then carries the sum accumulated locally; one per
+        optimizer step instead of one per micro-batch. FSDP reduce-scatters every micro-batch: deferring that would
+        hold the whole model's unsharded gradients on every rank (`set_requires_gradient_sync`)."""
+        strategy = self.trainer.strategy
+        if last or not isinstance(strategy, ParallelStrategy):
+            return nullcontext()
+        return strategy.block_backward_sync()
 
     def forward_backward(self, minibatch: RolloutBatch, share: torch.Tensor | None = None,
                          before: FirstForwards | None = None):
