@@ -23,6 +23,7 @@ from gspo_lab.evaluation import accuracy
 from gspo_lab.models.builders import load_pretrained
 from gspo_lab.train import ConfigError, plan, train
 from tests.chat_model import save_chat_model
+from tests.checked_tasks import ExtractionRefused, HangingArithmetic
 
 # one-digit addition, which the one-layer model learns to about half right in a 300-step cold start, so every
 # metric is neither 0 nor 1; two sets: the held-out split and subtraction (the run's task with ops changed)
@@ -204,7 +205,7 @@ def test_answers_that_maj_at_k_votes_on():
     a, b = example.meta["numbers"][:2]
     assert countdown.answer_of(f"{a}+{b}", example) == str(a + b)
     assert countdown.answer_of(f"{a}+{a}+{a}+{a}+{a}", example) is None  # a number used more often than given
-    from gspo_lab.rewards.functions import math_answer
+    from gspo_lab.grading.answers import math_answer
 
     assert math_answer(r"so $\boxed{\frac{1}{2}}$") == math_answer(r"$\boxed{0.5}$") is not None
     assert math_answer("no answer here") is None
@@ -275,3 +276,31 @@ def test_summary_json_keeps_every_sets_last_evaluation(evaluated):
     final = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("eval/sub/greedy")][-1]
     assert summary["eval/final"]["eval/sub/pass@2"] == float(final["eval/sub/pass@2"])
     assert summary["eval/final"]["eval/heldout/greedy"] == summary["eval/accuracy_after"]
+
+
+def evaluate_task(compose, tiny, task, overrides=()):
+    """Metrics and rows of one evaluation of the untrained tiny model on `task`'s held-out prompts."""
+    cfg = compose(tiny + list(overrides))
+    model, tokenizer = instantiate(cfg.model).load(task)
+    plan = build_eval(cfg, task, instantiate(cfg.prompt))
+    try:
+        return plan, plan.evaluator(tokenizer, 4, [], 0).run(model, tokenizer)
+    finally:
+        plan.close()
+
+
+def test_a_checker_that_never_returns_is_killed_and_counted_wrong(compose, tiny):
+    """sympy on a completion such as \\boxed{7^{7^{7^{7}}}} never returned, and the evaluation (every rank of a
+    DDP run, through its collectives) waited for good."""
+    plan, (metrics, rows) = evaluate_task(compose, tiny, HangingArithmetic(eval_size=2), ["eval.grading_timeout_s=1"])
+    assert plan.grader is not None and plan.grader.timeout_s == 1
+    assert metrics["eval/heldout/greedy"] == 0.0 and metrics["eval/heldout/grading_failures"] == 2.0
+    assert [row["correct"] for row in rows] == [False, False]
+
+
+def test_answers_are_extracted_only_where_maj_at_k_is_reported(compose, tiny):
+    greedy_plan, (greedy, _) = evaluate_task(compose, tiny, ExtractionRefused(eval_size=2))
+    assert greedy_plan.grader is None and greedy["eval/heldout/grading_failures"] == 0.0  # never extracted
+    _, (sampled, rows) = evaluate_task(compose, tiny, ExtractionRefused(eval_size=2), ["eval.n=2", "eval.k=[2]"])
+    assert sampled["eval/heldout/grading_failures"] == 4.0  # 2 prompts x 2 samples, each extraction raised
+    assert sampled["eval/heldout/maj@2"] == 0.0 and all(row["answer"] is None for row in rows)

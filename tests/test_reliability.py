@@ -21,7 +21,7 @@ from lightning.pytorch.plugins import MixedPrecision
 
 from gspo_lab.module import TooManySkippedUpdates
 from gspo_lab.rewards import RewardContractError
-from gspo_lab.train import ConfigError, build, check_precision, plan, resolve_checkpoint
+from gspo_lab.train import ConfigError, build, check_precision, plan, resolve_checkpoint, train
 
 TIMING = ("time/", "throughput/")
 
@@ -175,6 +175,30 @@ def test_a_non_finite_reward_stops_the_run_naming_the_function(compose, rl_overr
     with pytest.raises(RewardContractError, match=r"reward function non_finite returned nan \(RL step 0, prompt 0, "
                                                   r"completion 0\); a reward must be a finite number"):
         run.trainer.fit(module)
+
+
+def grading_workers() -> list[int]:
+    """The pids of this process's grading workers (gspo_lab.grading.pool)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            command = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:  # gone meanwhile
+            continue
+        if int(stat[1]) == os.getpid() and b"gspo_lab.grading.pool" in command:
+            pids.append(int(pid))
+    return pids
+
+
+def test_grading_workers_end_with_a_run_that_raised(compose, rl_overrides):
+    """Lightning skips the module's teardown when fit raises: the workers outlived the run, and in a multirun
+    (one process) every failed job left its workers behind."""
+    assert grading_workers() == []
+    functions = "reward.functions=[{_target_:tests.rewards.user_rewards.non_finite}]"
+    with pytest.raises(RewardContractError):
+        train(compose(rl_overrides + [functions, "reward.num_workers=2"]))
+    assert grading_workers() == []
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.loggers import quiet_libraries
-from gspo_lab.models.builders import ContextTooLong, check_context
+from gspo_lab.models.builders import ContextTooLong, fit_task
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.sft import SFTConfig, SFTModule
 
@@ -96,9 +96,13 @@ def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, 
         deterministic=True,
     )
     started = time.perf_counter()
-    trainer.fit(module)
-    seconds = time.perf_counter() - started
-    step, acc = module.history[-1] if module.history else (trainer.global_step, module.evaluate(trainer.global_step))
+    try:
+        trainer.fit(module)
+        seconds = time.perf_counter() - started
+        step, acc = module.history[-1] if module.history else (trainer.global_step, module.evaluate(trainer.global_step))
+    finally:
+        if module.grader is not None:
+            module.grader.close()
     if acc < sft.target_accuracy:
         log.warning("cold start ended at step %d with held-out accuracy %.3f < target %.3f", step, acc, sft.target_accuracy)
     info = {"accuracy": acc, "steps": step, "seconds": round(seconds, 2), "history": module.history, "seed": seed}
@@ -120,16 +124,11 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
     prompt = instantiate(cfg.prompt) if "prompt" in cfg else PromptFormat()
     sft = SFTConfig(**OmegaConf.to_container(cfg.sft, resolve=True))
 
-    def fit_prompts(tokenizer) -> None:  # task.max_prompt_tokens (task=hf), once the tokenizer exists
-        if getattr(task, "max_prompt_tokens", None):
-            task.drop_long_prompts(prompt.bind(tokenizer), tokenizer, task.max_prompt_tokens)
-
     budgets = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
     if not sft.runs_on(model_source):
         L.seed_everything(cfg.seed, verbose=False)
         model, tokenizer = model_source.load(task)
-        fit_prompts(tokenizer)
-        check_context(model, tokenizer, task, budgets, prompt.bind(tokenizer))
+        fit_task(model, tokenizer, task, budgets, prompt.bind(tokenizer))
         return model, tokenizer, {"enabled": False}
     sft = replace(sft, enabled=True)  # auto resolved: the cache key of a cold start does not depend on how it was asked
     budgets["sft.max_new_tokens"] = sft.max_new_tokens
@@ -138,8 +137,7 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
                     "before the LoRA adapters exist", model_source.path)
 
     def check(model, tokenizer) -> None:  # before the cold start trains, or on a cache hit
-        fit_prompts(tokenizer)
-        check_context(model, tokenizer, task, budgets, prompt.bind(tokenizer))
+        fit_task(model, tokenizer, task, budgets, prompt.bind(tokenizer))
 
     seed = cfg.seed if sft.seed is None else sft.seed
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)

@@ -140,6 +140,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
     model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     try:
         plan = build_eval(cfg, instantiate(cfg.task), instantiate(cfg.prompt), cfg.train.get("on_reward_error", "zero"))
+        plan.fit(model, tokenizer, cfg.rollout.max_new_tokens)  # the prompts training held out, no others
     except ValueError as error:
         raise EvalError(str(error)) from error
     evaluator = plan.evaluator(tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.get("stop_token_ids") or [], cfg.seed)

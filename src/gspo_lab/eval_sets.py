@@ -15,7 +15,7 @@ is one whole, a mapping without one changes keys of the run's. `size` keeps the 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from hydra.utils import instantiate
@@ -23,6 +23,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.evaluation import HELDOUT, EvalSet, EvalSettings, Evaluator
+from gspo_lab.grading import GradingPool
+from gspo_lab.models.builders import fit_task
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import WeightedRewards, build_rewards
 from gspo_lab.tasks.base import Task
@@ -44,21 +46,39 @@ class SetSpec:
 
 @dataclass
 class EvalPlan:
-    """The validated `eval` group: the settings and each set's parts; `evaluator(tokenizer, ...)` binds them."""
+    """The validated `eval` group: the settings and each set's parts; `evaluator(tokenizer, ...)` binds them. The
+    sets whose checker can hang share one grading pool (`grader`; eval.grading_workers), started on first use."""
 
     settings: EvalSettings
     specs: list[SetSpec]
+    grader: GradingPool | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        hangs = any(spec.task.checker_may_hang for spec in self.specs)
+        workers, timeout_s = self.settings.grading_workers, self.settings.grading_timeout_s
+        self.grader = GradingPool(workers, timeout_s) if hangs and workers else None
+
+    def fit(self, model, tokenizer, max_new_tokens: int) -> None:
+        """Every set's task made to fit the model (`fit_task`: task.max_prompt_tokens, then the context), as the
+        run's own task is before training: training and gspo-eval then hold out the same prompts."""
+        own = self.settings.max_new_tokens
+        budget = {"eval.max_new_tokens": own} if own else {"rollout.max_new_tokens": max_new_tokens}
+        for spec in self.specs:
+            fit_task(model, tokenizer, spec.task, budget, spec.prompt.bind(tokenizer))
 
     def evaluator(self, tokenizer, max_new_tokens: int, stop_token_ids, seed: int) -> Evaluator:
         sets = []
         for spec in self.specs:
             examples = spec.task.eval_examples()
             examples = examples[: spec.size] if spec.size else examples
-            sets.append(EvalSet(spec.name, spec.task, examples, spec.prompt.bind(tokenizer), spec.rewards))
+            grader = self.grader if spec.task.checker_may_hang else None
+            sets.append(EvalSet(spec.name, spec.task, examples, spec.prompt.bind(tokenizer), spec.rewards, grader))
         return Evaluator(sets, self.settings, max_new_tokens, stop_token_ids, seed)
 
     def close(self) -> None:
-        """Stop the grading pools of the sets' reward functions."""
+        """Stop the grading pools: the checkers' and the sets' reward functions'."""
+        if self.grader is not None:
+            self.grader.close()
         for spec in self.specs:
             if spec.rewards is not None and spec.rewards.runner is not None:
                 spec.rewards.runner.close()

@@ -4,11 +4,14 @@ maj@k (gspo_lab.eval_metrics), on one or more evaluation sets, with the completi
 An evaluation set is a data source with its prompt format and, optionally, its reward functions (the `eval`
 config group, `EvalSettings`); `heldout`, the run's own task's held-out split in the run's prompt format, is the
 default. A completion is correct when the set's task's checker accepts it (`Task.is_correct`, the same one that
-scores eval/accuracy); reward functions, when a set names them, are scored and reported beside it, per function.
+scores eval/accuracy); reward functions, when a set names them, are scored and reported beside it, per function. A checker that can
+hang (`Task.checker_may_hang`: math-verify on model output) runs in killable grading workers
+(gspo_lab.grading.pool; eval.grading_workers, eval.grading_timeout_s), so no completion can stop an evaluation.
 
 Metric names mirror verl's validation (mean@n, maj@k) and lighteval's / lm-eval's pass@k, under eval/<set>/:
-greedy, mean@<n>, pass@<k>, maj@<k>, length (mean completion tokens of the samples, else of greedy), and
-reward/<function>/{greedy,mean@<n>} where a set has several reward functions; the time each set took is
+greedy, mean@<n>, pass@<k>, maj@<k>, length (mean completion tokens of the samples, else of greedy),
+grading_failures (how many checks timed out or raised, each counted wrong), and reward/<function>/{greedy,mean@<n>}
+where a set has several reward functions; the time each set took is
 time/eval/<set>_s, the whole evaluation's time/eval_s. Sample j of prompt i of a set draws from its own stream,
 seeded by (the run's seed, the set's name, j, i: `stream_seed`), so every evaluation of a run samples each prompt
 with the same seeds whatever eval.batch_size and the number of ranks, eval.n = 8 extends eval.n = 4's samples, and
@@ -18,6 +21,7 @@ the training's random state is left as it was.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +33,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo_lab.eval_metrics import maj_at_k, pass_at_k
+from gspo_lab.grading import GradingPool
+from gspo_lab.grading.checks import Checker, grade
 from gspo_lab.prompts import Renderer
 from gspo_lab.rewards import WeightedRewards
 from gspo_lab.rollout.collection import reward_inputs
@@ -38,6 +44,8 @@ from gspo_lab.tasks.base import Example, Task
 
 EVAL_SAMPLING = "eval_sampling"
 HELDOUT = "heldout"
+TOTALS = ("grading_failures",)  # metrics that are counts summed over ranks, not means over prompts
+log = logging.getLogger(__name__)
 
 
 def accuracy(
@@ -50,12 +58,14 @@ def accuracy(
     temperature: float | None = None,
     render: Renderer | None = None,
     stop_token_ids: Sequence[int] = (),
+    grader: GradingPool | None = None,
 ) -> float:
     """Fraction of `examples` the task's checker accepts; greedy unless a sampling temperature is given. Prompts
-    are formatted by `render` (gspo_lab.prompts; default: the prompt text as it is)."""
+    are formatted by `render` (gspo_lab.prompts; default: the prompt text as it is); the checker runs in `grader`'s
+    killable workers when given (a check that times out counts as wrong), else in this process."""
     if not examples:
         raise ValueError(f"{type(task).__name__}: no evaluation examples to score")
-    correct = 0
+    correct, checker = 0, Checker(task)  # one checker: a grading pool sends it to each worker once
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         completions = generate(
@@ -68,7 +78,7 @@ def accuracy(
             stop_token_ids=stop_token_ids,
             add_special_tokens=render is None or render.add_special_tokens,
         )
-        correct += sum(task.is_correct(e, text) for e, text in zip(chunk, completions.texts))
+        correct += sum(grade(checker, chunk, completions.texts, False, grader).correct)
     return correct / len(examples)
 
 
@@ -85,6 +95,10 @@ class EvalSettings:
         batch_size: completions per `generate` call (n samples of batch_size // n prompts when sampling).
         samples: prompts per set whose completions an evaluation during training keeps (samples/step_<k>.jsonl,
             a wandb Table); 0 keeps none.
+        grading_workers: worker processes that check the completions of sets whose checker can hang
+            (`Task.checker_may_hang`: math-verify, reasoning-gym); 0 checks them in this process.
+        grading_timeout_s: the longest one check may take in a worker; beyond it, the completion counts as wrong
+            (eval/<set>/grading_failures).
     """
 
     n: int = 0
@@ -95,6 +109,8 @@ class EvalSettings:
     max_new_tokens: int | None = None
     batch_size: int = 256
     samples: int = 4
+    grading_workers: int = 1
+    grading_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         def whole(key: str, value, minimum: int) -> None:
@@ -104,6 +120,9 @@ class EvalSettings:
         whole("n", self.n, 0)
         whole("batch_size", self.batch_size, 1)
         whole("samples", self.samples, 0)
+        whole("grading_workers", self.grading_workers, 0)
+        if not (isinstance(self.grading_timeout_s, (int, float)) and self.grading_timeout_s > 0):
+            raise ValueError(f"eval.grading_timeout_s={self.grading_timeout_s!r} is invalid: must be a number > 0")
         if self.max_new_tokens is not None:
             whole("max_new_tokens", self.max_new_tokens, 1)
         self.k = list(self.k or [])
@@ -123,14 +142,19 @@ class EvalSettings:
 
 @dataclass
 class EvalSet:
-    """One evaluation set: its task (examples and checker), how prompts are rendered, and its reward functions
-    (None: correctness only)."""
+    """One evaluation set: its task (examples and checker), how prompts are rendered, its reward functions
+    (None: correctness only) and the grading pool its checker runs in (None: this process)."""
 
     name: str
     task: Task
     examples: list[Example]
     render: Renderer
     rewards: WeightedRewards | None = None
+    grader: GradingPool | None = None
+    checker: Checker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.checker = Checker(self.task)
 
 
 @dataclass
@@ -142,11 +166,12 @@ class Decoded:
     correct: list[bool]
     answers: list[str | None]
     rewards: dict[str, list[float]]  # function -> reward of each completion (NaN where it did not apply)
+    failures: list[bool] = field(default_factory=list)  # the completion's check timed out or raised
 
     def first(self, count: int) -> Decoded:
         """The first `count` completions (a rank's own, without the padding of its share)."""
         return Decoded(self.texts[:count], self.lengths[:count], self.correct[:count], self.answers[:count],
-                       {name: values[:count] for name, values in self.rewards.items()})
+                       {name: values[:count] for name, values in self.rewards.items()}, self.failures[:count])
 
 
 class Evaluator:
@@ -197,7 +222,9 @@ class Evaluator:
             totals = reduce_sum(torch.tensor([sums[key] for key in keys], dtype=torch.float64))
             values = dict(zip(keys, totals.tolist()))
             for key in keys:
-                if not key.endswith("#"):
+                if key in TOTALS:
+                    metrics[f"eval/{eval_set.name}/{key}"] = values[key]
+                elif not key.endswith("#"):
                     count = values[f"{key}#"] if f"{key}#" in values else values["prompts#"]
                     metrics[f"eval/{eval_set.name}/{key}"] = values[key] / count if count else math.nan
             metrics[f"time/eval/{eval_set.name}_s"] = time.perf_counter() - began
@@ -225,8 +252,13 @@ class Evaluator:
                            add_special_tokens=eval_set.render.add_special_tokens, row_seeds=seeds)
             decoded.texts += out.texts
             decoded.lengths += out.completion_mask.sum(-1).tolist()
-            decoded.correct += [bool(eval_set.task.is_correct(e, t)) for e, t in zip(chunk, out.texts)]
-            decoded.answers += [eval_set.task.answer_of(t, e) for e, t in zip(chunk, out.texts)]
+            # answers are extracted only for maj@k, which sampling with some k reports
+            graded = grade(eval_set.checker, chunk, out.texts, not greedy and bool(self.settings.k), eval_set.grader)
+            decoded.correct, decoded.answers = decoded.correct + graded.correct, decoded.answers + graded.answers
+            decoded.failures += graded.failed
+            if any(graded.failed):
+                log.warning("eval set %s: %d of %d checks failed and count as wrong (eval/%s/grading_failures); the "
+                            "first: %s", eval_set.name, sum(graded.failed), len(chunk), eval_set.name, graded.detail)
             if eval_set.rewards is not None:
                 scores = eval_set.rewards.score(*reward_inputs(chunk, out),
                                                 where=lambda i: f"eval set {eval_set.name}, completion {i}")
@@ -240,7 +272,9 @@ class Evaluator:
               ) -> dict[str, float]:
         """Per-prompt metrics summed over this rank's prompts; a key ending in '#' counts the entries of the key
         before it (where not every prompt contributes), 'prompts#' the prompts."""
-        sums: dict[str, float] = {"prompts#": float(prompts)}
+        sums: dict[str, float] = {"prompts#": float(prompts), "grading_failures": 0.0}
+        for decoded in (greedy, sampled):
+            sums["grading_failures"] += float(sum(decoded.failures)) if decoded is not None else 0.0
         several = eval_set.rewards is not None and len(eval_set.rewards.functions) > 1
         if greedy is not None:
             sums["greedy"] = float(sum(greedy.correct))

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from gspo_lab.evaluation import accuracy
+from gspo_lab.grading import GradingPool
 from gspo_lab.prompts import Renderer
 from gspo_lab.seeding import SFT_DEMONSTRATIONS, stream_seed
 from gspo_lab.tasks.base import Task
@@ -109,6 +110,9 @@ class Demonstrations(IterableDataset):
         }
 
 
+GRADING_TIMEOUT_S = 10.0  # one held-out check in the worker, as eval.grading_timeout_s's default
+
+
 class SFTModule(L.LightningModule):
     """Next-token cross-entropy on demonstrations, with held-out greedy accuracy and early stopping."""
 
@@ -119,6 +123,8 @@ class SFTModule(L.LightningModule):
         self.render = render
         self.eval_set = task.eval_examples()[: config.eval_size]
         self.history: list[tuple[int, float]] = []  # (step, held-out accuracy)
+        # a checker that can hang (math-verify) checks in a killable worker; the caller closes it
+        self.grader = GradingPool(1, GRADING_TIMEOUT_S) if task.checker_may_hang else None
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch, use_cache=False).loss  # no KV cache to build (and none under checkpointing)
@@ -132,7 +138,7 @@ class SFTModule(L.LightningModule):
 
     def evaluate(self, step: int) -> float:
         acc = accuracy(self.model, self.tokenizer, self.task, self.eval_set, self.config.max_new_tokens,
-                       render=self.render)
+                       render=self.render, grader=self.grader)
         self.history.append((step, acc))
         self.log("sft/eval_accuracy", acc, prog_bar=True)
         log.info("sft step %d: held-out accuracy %.3f", step, acc)

@@ -83,6 +83,13 @@ class Plan:
     model_source: object
     ckpt_path: str | None
 
+    def close(self) -> None:
+        """Stop the grading workers of the rewards and the evaluation: the module's teardown does on success,
+        and Lightning skips it when fit raises (the next job of a multirun runs in the same process)."""
+        if self.rewards.runner is not None:
+            self.rewards.runner.close()
+        self.evaluation.close()
+
 
 def plan(cfg: DictConfig) -> Plan:
     """Validate the config by instantiating its light parts; raises ConfigError with key, value and rule."""
@@ -195,6 +202,7 @@ def build(cfg: DictConfig) -> tuple[Plan, RLModule, dict]:
     run = plan(cfg)
     try:
         model, tokenizer, cold_start = policy_from_config(cfg, run.task)
+        run.evaluation.fit(model, tokenizer, run.rollout.max_new_tokens)
         lora = apply_lora(model, run.model_source.lora, cfg.seed) if run.model_source.lora.enabled else None
     except (ContextTooLong, ValueError) as error:
         raise ConfigError(str(error)) from error
@@ -233,6 +241,15 @@ def train(cfg: DictConfig) -> dict:
         write_run_info(run.run_dir, SOURCE_ROOT, {"algorithm": algorithm, "cold_start": cold_start})
         for logger in run.loggers:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    try:
+        return _fit(run, module, algorithm)
+    finally:
+        run.close()
+
+
+def _fit(run: Plan, module: RLModule, algorithm: str) -> dict:
+    """Fit, then write final/, summary.json and the reward curve; returns the summary."""
+    trainer, tokenizer = run.trainer, module.tokenizer
     started = time.perf_counter()
     trainer.fit(module, ckpt_path=run.ckpt_path, weights_only=True)
     stop = next((c for c in run.callbacks if isinstance(c, GracefulStop) and c.received), None)

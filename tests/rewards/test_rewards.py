@@ -2,10 +2,17 @@
 
 import functools
 import math
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+
+from gspo_lab import CONFIG_DIR
+from gspo_lab.grading.answers import math_answer
 
 from gspo_lab.rewards import (
     GradingPool,
@@ -17,7 +24,7 @@ from gspo_lab.rewards import (
     reward_name,
     think_format,
 )
-from gspo_lab.tasks import Arithmetic
+from gspo_lab.tasks import Arithmetic, HFDataset
 from tests.rewards import user_rewards
 
 PROMPTS = ["1+1=", "2+5=", "3+3="]
@@ -182,3 +189,104 @@ def test_grading_workers_start_inside_a_joblib_launcher_job():
 def test_think_format_scores_a_completion_that_starts_inside_a_block_the_prompt_opened(prompt, completion,
                                                                                        settings, reward):
     assert think_format([prompt], [completion], **settings) == [reward]
+
+
+def test_a_function_needing_a_column_the_data_lacks_is_refused_at_start_up_naming_it():
+    """TRL's accuracy_reward(completions, solution, **kwargs) on data without a solution column raised TypeError
+    on every call, each scored 0: a run that trained on all-zero rewards."""
+    with pytest.raises(ValueError, match=r"reward.functions\[0\] \(needs_solution\) needs the parameter 'solution'"
+                                         r", which no call passes: the data's columns are answer"):
+        build_rewards({"functions": [{"_target_": target("needs_solution")}]}, task=Arithmetic())
+    with_solution = HFDataset(rows=[{"prompt": f"{i}+1=", "answer": str(i + 1), "solution": "s"} for i in range(30)])
+    assert build_rewards({"functions": [{"_target_": target("needs_solution")}]}, task=with_solution).functions
+
+
+def test_a_misspelled_setting_and_a_column_replacing_a_setting_are_refused():
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].latex_onyl is not a parameter of "
+                                         r"gspo_lab.rewards.math_accuracy \(its parameters: .*latex_only\)"):
+        build_rewards({"functions": [{"_target_": "gspo_lab.rewards.math_accuracy", "latex_onyl": False}]}, task=None)
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].per_chars is not a parameter"):
+        build_rewards({"functions": [{"_target_": target("LengthPenalty"), "per_chars": 0.5}]}, task=None)
+    # a column of the data reaches every call as a keyword, which replaces a partial's bound keyword
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "max_length": 3} for i in range(30)]
+    overlong = {"_target_": "gspo_lab.rewards.soft_overlong_punishment", "max_length": 8, "cache_length": 2}
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].max_length=8: the data has a column 'max_length'"):
+        build_rewards({"functions": [overlong]}, task=HFDataset(rows=rows))
+
+
+def test_the_task_reward_grades_in_a_worker_where_its_checker_can_hang():
+    """reward=task: null workers grade arithmetic's string match here, and math-verify (task=hf) in a worker."""
+    group = OmegaConf.load(Path(CONFIG_DIR) / "reward" / "task.yaml")
+    assert build_rewards(group, task=Arithmetic()).runner is None
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(30)]
+    for match, pooled in (("math_verify", True), ("numeric", False), ("exact", False)):
+        rewards = build_rewards(group, task=HFDataset(rows=rows, match=match))
+        assert isinstance(rewards.runner, GradingPool) == pooled and (rewards.runner is None or rewards.runner.num_workers == 1)
+    assert build_rewards({"functions": [{"_target_": "gspo_lab.rewards.math_accuracy"}], "num_workers": None},
+                         task=None).runner is not None
+
+
+def test_a_tensor_reward_crosses_from_a_worker_and_each_function_crosses_once(tmp_path):
+    """Workers once sent tensors through shared memory (AuthenticationError: digest sent was rejected), and a
+    TaskReward, with its whole dataset, once per completion."""
+    copies = tmp_path / "copies.txt"
+    counted = user_rewards.CountsItsCopies(str(copies), payload_size=1_000_000)
+    pool = GradingPool(num_workers=1, timeout_s=30.0)
+    rewards = WeightedRewards([RewardFunction(user_rewards.as_tensor), RewardFunction(counted)], runner=pool)
+    try:
+        for _ in range(2):
+            scores = rewards.score(PROMPTS, TEXTS, IDS, COLUMNS)
+            assert scores.per_function["as_tensor"].tolist() == [1.0, 4.0, 5.0]  # len("2"), len("so 7"), ...
+        assert scores.per_function["CountsItsCopies"].tolist() == [1.0] * 3
+        assert copies.read_text() == "copy\n"  # 6 calls, one copy
+    finally:
+        pool.close()
+
+
+def test_a_call_that_cannot_be_pickled_is_an_error_and_the_next_call_runs():
+    pool = GradingPool(num_workers=1, timeout_s=30.0)
+    try:
+        lost = pool([(len, (lambda: 0,), {})])[0]  # a lambda cannot cross
+        assert lost.failure == "error" and "could not be sent to a grading worker" in lost.detail
+        assert [o.value for o in pool([(len, ("abcd",), {}), (abs, (-3,), {})])] == [4, 3]
+        unloadable = pool([(user_rewards.short, ([],), {"max_chars": ModuleNotFoundHere()})])[0]
+        assert unloadable.failure == "error" and "could not be loaded in the worker" in unloadable.detail
+        assert pool([(len, ("ab",), {})])[0].value == 2
+    finally:
+        pool.close()
+
+
+class ModuleNotFoundHere:
+    """Pickles by reference to a module the worker cannot import."""
+
+    def __reduce__(self):
+        return (__import__, ("a_module_that_does_not_exist",))
+
+
+def test_a_worker_that_cannot_start_says_why(tmp_path, monkeypatch):
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'ImportError: no module named gspo_lab' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(broken))
+    with pytest.raises(RuntimeError, match=r"did not start: the worker process exited with code 3; its stderr ends:"
+                                           r"\nImportError: no module named gspo_lab"):
+        GradingPool(num_workers=1, timeout_s=5.0)([(len, ("a",), {})])
+
+
+def test_math_answer_of_a_tower_of_powers_returns():
+    r"""`\boxed{7^{7^{7^{7}}}}` (a "last digit of" answer): float() of it never returned, outside every timeout."""
+    pool = GradingPool(num_workers=1, timeout_s=60.0)
+    try:
+        outcome = pool([(math_answer, (r"so $\boxed{7^{7^{7^{7}}}}$",), {"latex_only": False})])[0]
+    finally:
+        pool.close()
+    assert outcome.failure is None and outcome.value == "7**(7**(7**7))"
+
+
+def test_grading_sits_below_tasks_and_rewards():
+    """answer extraction and math checks have one home that imports neither; tasks do not import rewards."""
+    code = ("import sys, gspo_lab.grading.answers, gspo_lab.grading.pool; print(sorted(m for m in sys.modules if "
+            "m.startswith(('gspo_lab.tasks', 'gspo_lab.rewards')))); import gspo_lab.tasks.hf; "
+            "print(sorted(m for m in sys.modules if m.startswith('gspo_lab.rewards')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["[]", "[]"]

@@ -48,3 +48,30 @@ class LengthPenalty:
 
     def __call__(self, completions, **kwargs):
         return [-self.per_char * len(c) for c in completions]
+
+
+def needs_solution(completions, solution, **kwargs):
+    """TRL's accuracy_reward's signature: needs a `solution` column."""
+    return [float(c == s) for c, s in zip(completions, solution)]
+
+
+def as_tensor(prompts, completions, **kwargs):
+    """A reward returned as a tensor, as some users write them."""
+    import torch
+
+    return torch.tensor([float(len(c)) for c in completions])
+
+
+class CountsItsCopies:
+    """A reward whose every unpickling (one per copy sent to a worker) appends a line to `log_path`."""
+
+    def __init__(self, log_path, payload_size=0):
+        self.log_path, self.payload = log_path, "x" * payload_size
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        with open(self.log_path, "a") as log:
+            log.write("copy\n")
+
+    def __call__(self, completions, **kwargs):
+        return [1.0] * len(completions)

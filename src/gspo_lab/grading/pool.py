@@ -1,14 +1,18 @@
-"""Reward functions graded in worker processes that can be killed: a timeout holds even for a verifier that
-never returns.
+"""Calls run in worker processes that can be killed: a timeout holds even for a verifier that never returns.
 
 math-verify's own timeout is `signal.alarm` (main thread only), and it cannot interrupt sympy stuck in C code
 (Math-Verify issue #65); a thread cannot be stopped at all. So each call runs in one of `num_workers` worker
 processes (fresh Python interpreters on a socket); a call still running `timeout_s` after it started is a
 timeout, and its worker is killed and replaced (as verl grades in a spawn ProcessPoolExecutor with
-`result(timeout=...)`, but per call: a pool's future cannot be cancelled once it runs). A worker that dies (a segfault in C code) makes its call an error.
+`result(timeout=...)`, but per call: a pool's future cannot be cancelled once it runs). A worker that dies (a
+segfault in C code) makes its call an error. Reward functions (gspo_lab.rewards) and evaluation's checkers
+(gspo_lab.evaluation) both grade here.
 
-Functions and their arguments cross to the workers by pickle: a function must be importable by its module
-path (a function defined in a script run as `__main__` is not; put it in a module).
+Functions and their arguments cross to the workers by plain pickle (tensors included: their bytes, not shared
+memory): a function must be importable by its module path (a function defined in a script run as `__main__` is
+not; put it in a module). Each function crosses once per worker, however many calls name it (a task's checker
+carries the task's data), and the pool holds on to it while it lives. What cannot be pickled, either way, is an
+"error" outcome of its call.
 
 >>> pool = GradingPool(num_workers=1, timeout_s=10.0)
 >>> [outcome.value for outcome in pool([(len, ("abc",), {}), (abs, (-2,), {})])]
@@ -20,113 +24,201 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import weakref
 from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Callable
-
-from gspo_lab.rewards.base import Outcome, call_inline
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300  # a worker's imports before its first call
+STDERR_TAIL = 2000  # characters of a dead worker's stderr its error quotes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One call's result: `value` (what the function returned), or why there is none ("error" or "timeout")."""
+
+    value: Any = None
+    failure: str | None = None  # None, "error" or "timeout"
+    detail: str = ""  # the exception's repr
+
+
+def call_inline(fn: Callable, args: tuple, kwargs: dict) -> Outcome:
+    """Run one call in this process; any exception, BaseExceptions such as math-verify's timeout included (but
+    not KeyboardInterrupt or SystemExit), is an "error" outcome."""
+    try:
+        return Outcome(fn(*args, **kwargs))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # noqa: BLE001 - a user's function may raise anything
+        return Outcome(failure="error", detail=repr(error))
 
 
 def serve(fd: int) -> None:
-    """A worker process: over the socket `fd`, say it is ready, then run each call it receives and send back its
-    Outcome, until it receives None."""
-    connection = Connection(fd)
-    connection.send("ready")
+    """A worker process: over the socket `fd`, say it is ready, then answer each call `(key, fn or None, args,
+    kwargs)` with `(whether fn is known now, Outcome)`, keeping each function by its key, until it receives None
+    or the parent goes away."""
+    connection, functions = Connection(fd), {}
+    connection.send_bytes(pickle.dumps("ready"))
     while True:
-        call = connection.recv()
+        try:
+            message = connection.recv_bytes()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        try:
+            call = pickle.loads(message)
+        except Exception as error:  # noqa: BLE001 - e.g. a function not importable here
+            connection.send_bytes(pickle.dumps((False, Outcome(failure="error", detail=f"could not be loaded in "
+                                                                                        f"the worker: {error!r}"))))
+            continue
         if call is None:
             return
-        connection.send(call_inline(*call))
+        key, fn, args, kwargs = call
+        functions.setdefault(key, fn)
+        outcome = call_inline(functions[key], args, kwargs)
+        try:
+            reply = pickle.dumps((True, outcome))
+        except Exception as error:  # noqa: BLE001 - a result that cannot be pickled
+            reply = pickle.dumps((True, Outcome(failure="error", detail=f"its result could not be sent back from "
+                                                                        f"the worker: {error!r}")))
+        connection.send_bytes(reply)
 
 
 class Worker:
     """A fresh Python process (not multiprocessing's spawn: under a joblib/loky launcher its start method does
     not exist in the child, and spawn re-imports the parent's __main__) that imports what the parent can: its
-    sys.path is the parent's."""
+    sys.path is the parent's. Its stderr goes to a file, quoted when it dies."""
 
     def __init__(self) -> None:
         parent, child = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        code = f"from gspo_lab.rewards.pool import serve; serve({child.fileno()})"
+        code = f"from gspo_lab.grading.pool import serve; serve({child.fileno()})"
+        self.stderr = tempfile.TemporaryFile()
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child.fileno()], env=env,
-                                        stdin=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL, stderr=self.stderr)
         child.close()
         self.connection = Connection(parent.detach())
+        self.known: set[int] = set()  # keys of the functions this worker holds
         self.job: int | None = None  # the index of the call it runs
         self.started = 0.0
         # a call's timeout counts from its start, not from the worker's imports (torch, sympy: seconds)
-        if not self.connection.poll(STARTUP_TIMEOUT_S) or self.connection.recv() != "ready":
+        ready = self.connection.poll(STARTUP_TIMEOUT_S) and self.receive() == "ready"
+        if not ready:
+            why = self.death() if self.process.poll() is not None else f"not ready within {STARTUP_TIMEOUT_S} s"
             self.kill()
-            raise RuntimeError(f"a reward worker process did not start within {STARTUP_TIMEOUT_S} s")
+            raise RuntimeError(f"a grading worker process did not start: {why}")
+
+    def receive(self) -> Any:
+        """The next message, or None where the worker is gone."""
+        try:
+            return pickle.loads(self.connection.recv_bytes())
+        except (EOFError, OSError):
+            return None
+
+    def death(self) -> str:
+        """Why the worker ended: its exit code and the end of its stderr."""
+        code = self.process.wait()
+        self.stderr.seek(0)
+        tail = self.stderr.read().decode(errors="replace")[-STDERR_TAIL:].strip()
+        return f"the worker process exited with code {code}" + (f"; its stderr ends:\n{tail}" if tail else "")
 
     def kill(self) -> None:
         self.process.kill()
         self.process.wait()
         self.connection.close()
+        self.stderr.close()
+
+
+def _close(workers: list[Worker]) -> None:
+    for worker in workers:
+        try:
+            worker.connection.send_bytes(pickle.dumps(None))
+        except OSError:
+            pass
+        try:
+            worker.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        worker.kill()
+    workers.clear()
 
 
 class GradingPool:
     """Runs calls `(fn, args, kwargs)` in `num_workers` worker processes, each call at most `timeout_s` seconds
-    from its start; returns one Outcome per call, in order. Workers start on first use and live until `close()`."""
+    from its start; returns one Outcome per call, in order. Workers start on first use and live until `close()`,
+    or until the pool is garbage-collected or the interpreter exits."""
 
     def __init__(self, num_workers: int, timeout_s: float) -> None:
-        if not num_workers >= 1:
-            raise ValueError(f"reward.num_workers={num_workers!r} must be >= 1 for a grading pool")
-        if not timeout_s > 0:
-            raise ValueError(f"reward.timeout_s={timeout_s!r} must be > 0")
+        if not (isinstance(num_workers, int) and num_workers >= 1):
+            raise ValueError(f"num_workers={num_workers!r} must be an integer >= 1 for a grading pool")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s={timeout_s!r} must be a number > 0")
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self.workers: list[Worker] = []
+        self.functions: dict[int, Callable] = {}  # key -> function: held, so a key is never another's id
+        self._finalizer = weakref.finalize(self, _close, self.workers)
 
     def __call__(self, calls: list[tuple[Callable, tuple, dict]]) -> list[Outcome]:
         if not self.workers:
-            self.workers = [Worker() for _ in range(self.num_workers)]
+            self.workers.extend(Worker() for _ in range(self.num_workers))
         outcomes: list[Outcome | None] = [None] * len(calls)
         queue = deque(range(len(calls)))
         while queue or any(w.job is not None for w in self.workers):
             for worker in self.workers:
-                if worker.job is None and queue:
-                    worker.job, worker.started = queue.popleft(), time.monotonic()
-                    worker.connection.send(calls[worker.job])
+                while worker.job is None and queue:
+                    self._send(worker, queue.popleft(), calls, outcomes)
             busy = [w for w in self.workers if w.job is not None]
+            if not busy:
+                continue
             deadline = min(w.started for w in busy) + self.timeout_s
             ready = wait([w.connection for w in busy], timeout=max(0.0, deadline - time.monotonic()))
             for k, worker in enumerate(self.workers):
-                if worker.job is None:
-                    continue
-                if worker.connection in ready:
-                    try:
-                        outcomes[worker.job] = worker.connection.recv()
-                        worker.job = None
-                        continue
-                    except (EOFError, OSError):  # the worker died mid-call
-                        died = f"the worker process died (exit code {worker.process.poll()})"
-                        outcomes[worker.job] = Outcome(failure="error", detail=died)
-                elif time.monotonic() - worker.started >= self.timeout_s:
-                    outcomes[worker.job] = Outcome(failure="timeout", detail=f"still running after {self.timeout_s} s")
-                else:
-                    continue
-                worker.kill()
-                self.workers[k] = Worker()
+                if worker.job is not None:
+                    self._collect(k, worker, worker.connection in ready, calls, outcomes)
         return outcomes  # type: ignore[return-value]
 
+    def _send(self, worker: Worker, job: int, calls: list, outcomes: list) -> None:
+        """Send call `job` to `worker` with its function where the worker lacks it; a call that cannot be pickled
+        is an error outcome at once, and the worker stays free."""
+        fn, args, kwargs = calls[job]
+        key = id(fn)
+        try:
+            message = pickle.dumps((key, None if key in worker.known else fn, args, kwargs))
+        except Exception as error:  # noqa: BLE001 - pickling raises many types
+            outcomes[job] = Outcome(failure="error", detail=f"could not be sent to a grading worker: {error!r}")
+            return
+        self.functions[key] = fn
+        worker.connection.send_bytes(message)
+        worker.job, worker.started = job, time.monotonic()
+
+    def _collect(self, k: int, worker: Worker, ready: bool, calls: list, outcomes: list) -> None:
+        """Take worker k's answer when `ready`, or its timeout; a worker that died or timed out is replaced."""
+        if ready:
+            reply = worker.receive()
+            if reply is not None:
+                known, outcomes[worker.job] = reply
+                if known:
+                    worker.known.add(id(calls[worker.job][0]))
+                worker.job = None
+                return
+            outcomes[worker.job] = Outcome(failure="error", detail=worker.death())  # it died mid-call
+        elif time.monotonic() - worker.started >= self.timeout_s:
+            outcomes[worker.job] = Outcome(failure="timeout", detail=f"still running after {self.timeout_s} s")
+        else:
+            return
+        worker.kill()
+        self.workers[k] = Worker()
+
     def close(self) -> None:
-        for worker in self.workers:
-            try:
-                worker.connection.send(None)
-            except OSError:
-                pass
-            try:
-                worker.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-        self.workers = []
+        """Stop the workers (a later call starts new ones)."""
+        _close(self.workers)
 
     def __getstate__(self):  # a module holding the pool is deep-copied or pickled: the workers stay here
         return {"num_workers": self.num_workers, "timeout_s": self.timeout_s}

@@ -273,6 +273,15 @@ class ContextTooLong(ValueError):
 CONTEXT_SAMPLE = 200  # prompts drawn (either split) whose lengths `check_context` measures, beside the held-out set
 
 
+def fit_task(model: PreTrainedModel, tokenizer, task, max_new_tokens: dict[str, int], render) -> None:
+    """A task made to fit the model, the same way in training and in gspo-eval (so both score one held-out set):
+    its prompts longer than `task.max_prompt_tokens` (task=hf), as `render` formats them, dropped; then
+    `check_context`."""
+    if getattr(task, "max_prompt_tokens", None):
+        task.drop_long_prompts(render, tokenizer, task.max_prompt_tokens)
+    check_context(model, tokenizer, task, max_new_tokens, render)
+
+
 def check_context(model: PreTrainedModel, tokenizer, task, max_new_tokens: dict[str, int], render=None) -> None:
     """Refuse a run whose sequences would not fit the model's positions: the longest prompt (of the held-out
     set and a sample of the whole prompt space) plus each generation budget in `max_new_tokens` (config key ->

@@ -1,5 +1,5 @@
 """The reward axis: weighted reward functions with TRL's contract (gspo_lab.rewards.base), the built-in ones
-(gspo_lab.rewards.functions) and grading in killable worker processes (gspo_lab.rewards.pool).
+(gspo_lab.rewards.functions) and grading in killable worker processes (gspo_lab.grading.pool).
 
 `build_rewards(cfg.reward, task)` turns the `reward` config group into a WeightedRewards:
 
@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
+from gspo_lab.grading import GradingPool
 from gspo_lab.rewards.base import (
     RewardContractError,
     RewardFunction,
@@ -36,19 +38,24 @@ from gspo_lab.rewards.functions import (
     soft_overlong_punishment,
     think_format,
 )
-from gspo_lab.rewards.pool import GradingPool
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "GradingPool", "RewardContractError", "RewardFunction", "Scores", "TaskReward", "WeightedRewards",
-    "boxed_match", "build_rewards", "check_signature", "exact_match", "math_accuracy", "numeric_match",
+    "boxed_match", "build_rewards", "check_signature", "exact_match", "math_accuracy", "may_hang", "numeric_match",
     "reward_name", "soft_overlong_punishment", "think_format",
 ]
 
 
+CALL_ARGUMENTS = ("prompts", "completions", "completion_ids")  # what every call passes besides the columns
+
+
 def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero") -> WeightedRewards:
-    """The reward group's functions, each checked (importable, takes **kwargs), weighted, with a grading pool
-    when `num_workers` >= 1. A class target is instantiated (given the task if its constructor takes `task`);
-    a function target gets its other keys bound as keyword arguments."""
+    """The reward group's functions, each checked (importable, takes **kwargs, its settings its own parameters,
+    its required parameters among the task's columns), weighted, with a grading pool when `num_workers` >= 1, or
+    when it is null and a function can hang (`may_hang`). A class target is instantiated (given the task if its
+    constructor takes `task`); a function target gets its other keys bound as keyword arguments."""
     cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     unknown = sorted(set(cfg) - {"functions", "num_workers", "timeout_s"})
     if unknown:
@@ -56,15 +63,31 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero") -> Weigh
     items = cfg.get("functions") or []
     if not isinstance(items, list) or not items:
         raise ValueError(f"reward.functions={items!r} must be a non-empty list of {{_target_: ..., weight: ...}}")
-    functions = [_function(dict(item), task, f"reward.functions[{i}]") for i, item in enumerate(items)]
+    columns = None if task is None else task.columns()
+    functions = [_function(dict(item), task, columns, f"reward.functions[{i}]") for i, item in enumerate(items)]
     num_workers, timeout_s = cfg.get("num_workers", 0), cfg.get("timeout_s", 10.0)
+    if num_workers is None:  # auto: a worker where a function can hang, else grading in this process
+        num_workers = int(any(may_hang(f.fn) for f in functions))
     if not (isinstance(num_workers, int) and num_workers >= 0):
-        raise ValueError(f"reward.num_workers={num_workers!r} must be an integer >= 0 (0: grade in this process)")
+        raise ValueError(f"reward.num_workers={num_workers!r} must be null or an integer >= 0 (0: grade in this "
+                         "process; null: one worker where a function can hang)")
+    if num_workers == 0 and any(may_hang(f.fn) for f in functions):
+        log.warning("reward.num_workers=0 grades %s in the training process, where a call that never returns "
+                    "(sympy on model output) cannot be stopped; null or >= 1 grades in killable workers",
+                    ", ".join(f.name for f in functions if may_hang(f.fn)))
     runner = GradingPool(num_workers, timeout_s) if num_workers else None
     return WeightedRewards(functions, runner, on_error)
 
 
-def _function(item: dict, task, where: str) -> RewardFunction:
+def may_hang(fn) -> bool:
+    """Whether a reward function says it can run without end on some model output (its `may_hang`, e.g.
+    math_accuracy's, or a TaskReward's task's checker)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return bool(getattr(fn, "may_hang", False))
+
+
+def _function(item: dict, task, columns: list[str] | None, where: str) -> RewardFunction:
     if "_target_" not in item:
         raise ValueError(f"{where}={item!r} needs a _target_ (a reward function's or class's import path)")
     target, weight, name = item.pop("_target_"), item.pop("weight", 1.0), item.pop("name", "")
@@ -72,13 +95,58 @@ def _function(item: dict, task, where: str) -> RewardFunction:
         obj = get_object(target)
     except Exception as error:  # noqa: BLE001 - Hydra raises ImportError or its own error types
         raise ValueError(f"{where}._target_={target!r} cannot be imported: {error}") from None
-    if inspect.isclass(obj):
-        if "task" in inspect.signature(obj).parameters:
-            item.setdefault("task", task)
-        fn = obj(**item)
-    elif callable(obj):
-        fn = functools.partial(obj, **item) if item else obj
-    else:
+    if not callable(obj):
         raise ValueError(f"{where}._target_={target!r} is not callable")
+    if inspect.isclass(obj) and "task" in _parameters(obj):
+        item.setdefault("task", task)
+    _check_settings(obj, item, target, where)
+    if inspect.isclass(obj):
+        fn = obj(**item)
+    else:
+        fn = functools.partial(obj, **item) if item else obj
+        _check_columns_leave_settings(item, columns, where)
     check_signature(fn, where)
+    if columns is not None:
+        _check_required(fn, columns, where)
     return RewardFunction(fn, weight, name)  # an empty name becomes TRL's (reward_name)
+
+
+def _parameters(obj) -> dict[str, inspect.Parameter]:
+    """obj's parameters by name ({} where it has no signature, as some builtins)."""
+    try:
+        return dict(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _check_settings(obj, item: dict, target: str, where: str) -> None:
+    """Each setting a function or class is given must be one of its named parameters: a misspelled one would
+    vanish into **kwargs."""
+    named = [n for n, p in _parameters(obj).items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if not named and not _parameters(obj):
+        return
+    for key in item:
+        if key not in named:
+            raise ValueError(f"{where}.{key} is not a parameter of {target} (its parameters: {', '.join(named)}); "
+                             "a reward entry's keys besides _target_, weight and name are its settings")
+
+
+def _check_columns_leave_settings(item: dict, columns: list[str] | None, where: str) -> None:
+    """A data column reaches a function as a keyword and would replace the setting bound under its name."""
+    for key in item:
+        if columns is not None and key in columns:
+            raise ValueError(f"{where}.{key}={item[key]!r}: the data has a column {key!r}, which every call passes "
+                             f"as {key}= and which would silently replace this setting; rename the column (or "
+                             "the function's parameter)")
+
+
+def _check_required(fn, columns: list[str], where: str) -> None:
+    """Every parameter a function needs must arrive in each call: the call's own arguments or a data column.
+    A function that can never run would score 0 on every completion."""
+    given = set(CALL_ARGUMENTS) | set(columns)
+    for name, p in _parameters(fn).items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty or name in given:
+            continue
+        raise ValueError(f"{where} ({reward_name(fn)}) needs the parameter {name!r}, which no call passes: the "
+                         f"data's columns are {', '.join(columns)} (besides {', '.join(CALL_ARGUMENTS)}); map a "
+                         "column to it (task.answer_column, or a column of that name) or choose another function")

@@ -32,6 +32,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from gspo_lab.grading.pool import Outcome, call_inline
+
 log = logging.getLogger(__name__)
 
 
@@ -77,26 +79,6 @@ class RewardFunction:
             raise ValueError(f"reward weight of {self.name}={self.weight!r} must be a finite number")
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """One call's result: `value` (the function's list), or why there is none ("error" or "timeout")."""
-
-    value: Any = None
-    failure: str | None = None  # None, "error" or "timeout"
-    detail: str = ""  # the exception's repr
-
-
-def call_inline(fn: Callable, args: tuple, kwargs: dict) -> Outcome:
-    """Run one call in this process; any exception, BaseExceptions such as math-verify's timeout included (but
-    not KeyboardInterrupt or SystemExit), is an "error" outcome."""
-    try:
-        return Outcome(fn(*args, **kwargs))
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as error:  # noqa: BLE001 - a user's reward function may raise anything
-        return Outcome(failure="error", detail=repr(error))
-
-
 @dataclass
 class Scores:
     """The rewards of N completions."""
@@ -110,7 +92,7 @@ class Scores:
 class WeightedRewards:
     """A list of weighted reward functions, each called once per completion (lists of length 1), so an error or
     a timeout costs that function that completion only. `runner(calls)` runs the calls, by default in this
-    process (`call_inline`); gspo_lab.rewards.pool.GradingPool runs them in worker processes with a timeout.
+    process (`call_inline`); gspo_lab.grading.GradingPool runs them in worker processes with a timeout.
 
     Counts of errors and timeouts are running totals (saved in checkpoints through `state_dict`)."""
 

@@ -17,49 +17,15 @@ Select them with `reward=<option>` (conf/reward/) or list them under `reward.fun
 
 from __future__ import annotations
 
-import functools
-
 import re
-from typing import Any
 
+from gspo_lab.grading.answers import last_boxed, last_number, math_equal, text_of
 from gspo_lab.tasks.base import Example, Task
 
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 # a completion that opens a think block, closes it, then answers
 THINK = re.compile(r"^\s*<think>.*?</think>\s*\S", re.DOTALL)
 # a completion that starts inside a block its prompt opened: closes it (opening no other), then answers
 THINK_OPENED = re.compile(r"^(?:(?!<think>).)*?</think>\s*\S", re.DOTALL)
-
-
-def text_of(completion: Any) -> str:
-    """A completion's text: the string itself, or a conversational completion's last message's content."""
-    return completion[-1]["content"] if isinstance(completion, list) else completion
-
-
-def last_boxed(text: str) -> str | None:
-    r"""The content of the last `\boxed{...}` in `text`, braces balanced, or None.
-
-    >>> last_boxed(r"first \boxed{1}, then \boxed{\frac{1}{2}}")
-    '\\frac{1}{2}'
-    """
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1 : j]
-    return None
-
-
-def last_number(text: str) -> float | None:
-    """The last number in `text` (thousands separators dropped), or None."""
-    found = NUMBER.findall(text)
-    try:
-        return float(found[-1].replace(",", "")) if found else None
-    except ValueError:
-        return None
 
 
 def exact_match(prompts, completions, answer, **kwargs) -> list[float]:
@@ -124,56 +90,17 @@ def soft_overlong_punishment(prompts, completions, completion_ids, max_length: i
             for ids in completion_ids]
 
 
-@functools.cache
-def _extraction(latex_only: bool) -> list:
-    """math-verify's extraction of a completion's answer: LaTeX, boxed first, anchored answers only; with
-    `latex_only=False` plain expressions too. Built once per setting."""
-    from latex2sympy2_extended import NormalizationConfig
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig
-
-    latex = LatexExtractionConfig(
-        normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
-                                                 boxed="all", units=True),
-        boxed_match_priority=0, try_extract_without_anchor=False)
-    return [latex] if latex_only else [latex, ExprExtractionConfig()]
-
-
-def math_answer(text: str, latex_only: bool = True) -> str | None:
-    """The answer math-verify extracts from `text` as math_accuracy does (a number as its value, so 0.5 and 1/2
-    agree; else its sympy string), or None: what maj@k votes on for math tasks."""
-    from math_verify import parse
-
-    try:
-        got = parse(text, extraction_config=_extraction(latex_only), extraction_mode="first_match")
-    except Exception:  # noqa: BLE001 - extraction must not raise on model output
-        return None
-    if not got:
-        return None
-    value = got[0]
-    try:  # a number as its value to 12 digits (0.5 and 1/2 vote together), else the expression's sympy string
-        return format(float(value), ".12g") if getattr(value, "is_number", False) else str(value)
-    except (TypeError, ValueError):  # a complex or otherwise non-real number
-        return str(value)
-
-
 def math_accuracy(prompts, completions, answer, latex_only: bool = True, **kwargs) -> list[float | None]:
     r"""1 where math-verify finds the completion's answer equal to the reference (`\frac{1}{2}` = 0.5, units,
     boxed), 0 where not, None where the reference does not parse. The gold answer is parsed as TRL's and
     open-r1's accuracy reward parse it (default extraction, first match); the completion with LaTeX extraction,
     `\boxed{}` first, only anchored answers, unless `latex_only=false` adds plain expressions ("the answer is
     42", as GSM8K-style completions end)."""
-    from math_verify import parse, verify
+    return [math_equal(str(reference), text_of(completion), latex_only)
+            for completion, reference in zip(completions, answer)]
 
-    extraction = _extraction(latex_only)
-    rewards = []
-    for completion, reference in zip(completions, answer):
-        gold = parse(str(reference), extraction_mode="first_match")
-        if not gold:
-            rewards.append(None)
-            continue
-        got = parse(text_of(completion), extraction_config=extraction, extraction_mode="first_match")
-        rewards.append(float(verify(gold, got)))
-    return rewards
+
+math_accuracy.may_hang = True  # sympy on model output: reward.num_workers=null grades it in a killable worker
 
 
 class TaskReward:
@@ -184,6 +111,10 @@ class TaskReward:
     def __init__(self, task: Task) -> None:
         self.task = task
         self.__name__ = task.name
+
+    @property
+    def may_hang(self) -> bool:
+        return self.task.checker_may_hang
 
     def __call__(self, prompts, completions, answer, **columns) -> list[float]:
         columns.pop("completion_ids", None)

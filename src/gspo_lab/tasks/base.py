@@ -37,6 +37,10 @@ class Task(ABC):
     """
 
     name = "task"
+    # whether the checker (`is_correct`, `answer_of`, `reward`) can run without end on some model output (sympy
+    # under math-verify or a third-party verifier): its calls then go to killable grading workers
+    # (gspo_lab.grading.pool) in training (reward.num_workers) and evaluation (eval.grading_workers)
+    checker_may_hang = False
 
     def __init__(self, eval_fraction=0.1, eval_seed=1234, eval_size=400, format_weight=0.0) -> None:
         if not 0 < eval_fraction < 1:
@@ -68,6 +72,10 @@ class Task(ABC):
         """The answer a completion of `example` gives, as maj@k compares them (gspo_lab.evaluation): by default the
         stripped text, None when empty. Tasks whose checker extracts an answer override it."""
         return completion.strip() or None
+
+    def columns(self) -> list[str]:
+        """The data columns every reward call receives as keywords: `answer`, then an example's `meta` keys."""
+        return ["answer", *self.sample(random.Random("columns")).meta]
 
     def split_of(self, prompt: str) -> str:
         digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()

@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from gspo_lab.grading.answers import last_number, math_answer, math_equal
 from gspo_lab.tasks.base import Example, Task
 from gspo_lab.tasks.jsonl import JsonlTask
 
@@ -174,7 +175,8 @@ class HFDataset(JsonlTask):
         return super().split_of(prompt_key(prompt))
 
     def drop_long_prompts(self, render, tokenizer, max_tokens: int) -> int:
-        """Drop the examples whose formatted prompt is longer than `max_tokens` tokens; returns how many."""
+        """Drop the examples whose formatted prompt is longer than `max_tokens` tokens; returns how many (a second
+        call with the same tokenizer drops none; `dropped_long` counts them all)."""
         def fitting(examples: list[Example]) -> list[Example]:  # one batched tokenizer call per split
             ids = tokenizer(render.texts(examples), add_special_tokens=render.add_special_tokens)["input_ids"]
             return [e for e, row in zip(examples, ids) if len(row) <= max_tokens]
@@ -183,19 +185,19 @@ class HFDataset(JsonlTask):
         self.records = fitting(self.records)
         if self.eval_records is not None:
             self.eval_records = fitting(self.eval_records)
-        self.dropped_long = before - len(self.records) - len(self.eval_records or [])
+        dropped = before - len(self.records) - len(self.eval_records or [])
+        self.dropped_long += dropped
         if not self.records or self.eval_records == [] or not self.pool("eval"):
             raise ValueError(f"task.max_prompt_tokens={max_tokens}: no prompt of the training or held-out data fits")
-        log.info("task=hf: dropped %d of %d prompts longer than %d tokens", self.dropped_long, before, max_tokens)
-        return self.dropped_long
+        if dropped:
+            log.info("task=hf: dropped %d of %d prompts longer than %d tokens", dropped, before, max_tokens)
+        return dropped
 
     def demonstration(self, example: Example) -> str:
         return example.answer if example.solution is None else example.solution
 
     def answer_of(self, completion: str, example: Example | None = None) -> str | None:
         """What the checker reads: the whole text (exact), the last number (numeric), or math-verify's answer."""
-        from gspo_lab.rewards.functions import last_number, math_answer
-
         if self.match == "exact":
             return super().answer_of(completion, example)
         if self.match == "numeric":
@@ -203,15 +205,18 @@ class HFDataset(JsonlTask):
             return None if number is None else repr(number)
         return math_answer(completion, latex_only=False)
 
-    def is_correct(self, example: Example, completion: str) -> bool:
-        from gspo_lab.rewards.functions import math_accuracy, numeric_match
+    @property
+    def checker_may_hang(self) -> bool:  # math-verify can; a string or a number match cannot
+        return self.match == "math_verify"
 
+    def is_correct(self, example: Example, completion: str) -> bool:
         if self.match == "exact":
             return completion.strip() == example.answer
-        check = math_accuracy if self.match == "math_verify" else numeric_match
-        extra = {"latex_only": False} if self.match == "math_verify" else {}
+        if self.match == "numeric":
+            got, want = last_number(completion), last_number(example.answer)
+            return got is not None and want is not None and abs(got - want) <= 1e-6
         try:
-            return check(None, [completion], answer=[example.answer], **extra)[0] == 1.0
+            return math_equal(example.answer, completion, latex_only=False) == 1.0
         except Exception:  # noqa: BLE001 - the checker must not raise on model output
             return False
 
