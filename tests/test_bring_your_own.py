@@ -2,11 +2,15 @@
 math-verify graded in worker processes, the checkpoint's two-id EOS list, and a cold start on the solution
 column, end to end through the real Trainer."""
 
+import json
+
 import pytest
 import torch
+from omegaconf import open_dict
 
+from gspo_lab.eval_cli import evaluate_checkpoint, run_config, run_dir_of
 from gspo_lab.sft import Demonstrations
-from gspo_lab.train import build
+from gspo_lab.train import build, train
 from tests.chat_model import save_chat_model, word_problems, write_jsonl
 
 
@@ -98,3 +102,26 @@ def test_a_hub_id_loads_from_the_hub_cache_offline_and_a_missing_one_is_named(tm
     assert model.generation_config.eos_token_id == [tokenizer.eos_token_id, tokenizer.pad_token_id]
     with pytest.raises(FileNotFoundError, match=r"model.path='acme/missing' is not a local folder, and the hub model"):
         PretrainedModel(path="acme/missing")
+
+
+def test_gspo_eval_scores_the_held_out_prompts_training_scored(byo, compose, tmp_path):
+    """With task.max_prompt_tokens, training held out the prompts that fit; gspo-eval read the task unfiltered and
+    scored another held-out set (11 of 50 prompts shared in one check)."""
+    rows = word_problems(80)
+    for row in rows[::2]:  # half the questions ask for more
+        row["question"] += " Explain every step of your answer."
+    run_dir = tmp_path / "run"
+    data = [f"task.path={write_jsonl(tmp_path / 'mixed.jsonl', rows)}", "eval.samples=100", "train.steps=1",
+            "train.eval_every=1", f"paths.output_dir={run_dir}"]
+    _, whole, _ = build(compose(byo + data))
+    budget = sorted(len(whole.tokenizer(whole.render.text(e), add_special_tokens=False)["input_ids"])
+                    for e in whole.task.records)[len(rows) // 2]
+    train(compose(byo + data + [f"task.max_prompt_tokens={budget}"]))
+    trained = {json.dumps(r["prompt"]) for r in map(json.loads, (run_dir / "samples" / "step_1.jsonl").open())}
+    cfg = compose([f"paths.output_dir={tmp_path / 'eval'}"])
+    with open_dict(cfg):
+        cfg.checkpoint, cfg.tokenizer, cfg.progress = str(run_dir), None, False
+    evaluate_checkpoint(run_config(cfg, run_dir_of(run_dir), []))
+    evaluated = {json.dumps(r["prompt"]) for r in map(json.loads, (tmp_path / "eval" / "samples.jsonl").open())}
+    unfiltered = {json.dumps(e.prompt) for e in whole.task.eval_examples()}
+    assert evaluated == trained and evaluated != unfiltered

@@ -49,3 +49,8 @@ def test_settings_that_cannot_apply_are_refused(chat_tokenizer):
         PromptFormat(template="{question}").bind(chat_tokenizer).text(EXAMPLE)
     with pytest.raises(ValueError, match="prompt.chat_template='sometimes' must be auto, true or false"):
         PromptFormat(chat_template="sometimes")
+    # a template fills in text prompts; chat messages reach the chat template as they are, so it would be lost
+    with pytest.raises(ValueError, match=r"prompt.template='\{prompt\} Think step by step.' would be ignored: the "
+                                         r"data's prompts are chat messages"):
+        PromptFormat(template="{prompt} Think step by step.").bind(chat_tokenizer).text(
+            Example([{"role": "user", "content": "U"}], "1"))

@@ -43,8 +43,8 @@ def test_conversational_prompts_are_kept_as_messages(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"prompt_column": "prompt"}, r"task.prompt_column='prompt' is not a column of .*gsm8k.jsonl split 'train'; its "
-                                  r"columns are \['answer', 'level', 'question'\]"),
+    ({"prompt_column": "prompt"}, r"task.prompt_column='prompt' is not a column of .*gsm8k.jsonl split 'train', row 0; "
+                                  r"its columns are \['answer', 'level', 'question'\]"),
     ({"prompt_column": "question", "answer_pattern": "=== (.+)"}, r"row 0: task.answer_pattern='=== \(.\+\)' finds "
                                                                  r"nothing in answer="),
     ({"prompt_column": "question", "match": "fuzzy"}, r"task.match='fuzzy' must be one of"),
@@ -79,3 +79,19 @@ def test_repeated_prompts_are_dropped_and_counted_when_asked(caplog):
         task = HFDataset(rows=rows, eval_rows=held_out, dedup_prompts=True)
     assert [e.prompt for e in task.records] == [chat, "1+1?", "3+3?"]  # the first of each, in order
     assert task.dropped_duplicates == 2 and "dropped 2 of 6 rows repeating an earlier prompt" in caplog.text
+
+
+def test_every_row_is_checked_and_a_row_without_an_answer_is_left_out(caplog):
+    """Columns were checked on row 0 only (a later row without one raised a bare KeyError), and a null answer
+    became the reference "None"."""
+    rows = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(40)]
+    rows[7] = {"question": "7+1="}
+    with pytest.raises(ValueError, match=r"the rows given split 'train', row 7: task.answer_column='answer' is not a "
+                                         r"column .*; its columns are \['question'\]|task.answer_column='answer' is "
+                                         r"not a column of the rows given split 'train', row 7; its columns are "
+                                         r"\['question'\]"):
+        HFDataset(rows=rows, prompt_column="question")
+    rows[7] = {"question": "7+1=", "answer": None}
+    task = HFDataset(rows=rows, prompt_column="question")
+    assert len(task.records) == 39 and "None" not in {e.answer for e in task.records}
+    assert "1 of 40 rows of the rows given split 'train' have no answer (null in answer) and are left out" in caplog.text

@@ -24,13 +24,14 @@ from typing import Any
 from gspo_lab.tasks.base import Example
 
 CHAT_TEMPLATE = ("auto", True, False)
+DEFAULT_TEMPLATE = "{prompt}"  # the example's prompt as it is
 
 
 @dataclass(frozen=True)
 class PromptFormat:
     """Settings of the prompt group; `bind(tokenizer)` gives the Renderer that formats examples for it."""
 
-    template: str = "{prompt}"
+    template: str = DEFAULT_TEMPLATE
     system: str | None = None
     chat_template: bool | str = "auto"
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -73,6 +74,10 @@ class Renderer:
             if not self.chat:
                 raise ValueError("the data's prompts are chat messages, but no chat template applies (prompt."
                                  f"chat_template={self.format.chat_template}); use a tokenizer with a chat template")
+            if self.format.template != DEFAULT_TEMPLATE:
+                raise ValueError(f"prompt.template={self.format.template!r} would be ignored: the data's prompts are "
+                                 "chat messages, which go to the chat template as they are; keep prompt.template="
+                                 f"'{DEFAULT_TEMPLATE}' and give an instruction with prompt.system")
             messages = list(example.prompt)
         else:
             columns = {**example.meta, "prompt": example.prompt}

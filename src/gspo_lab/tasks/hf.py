@@ -144,19 +144,31 @@ class HFDataset(JsonlTask):
         return dropped
 
     def _examples(self, rows: list[dict], where: str) -> list[Example]:
+        """Every row as an example, each row's columns checked; rows without a reference answer (null) are left
+        out, counted and logged: nothing could grade them."""
         if not rows:
             raise ValueError(f"{where}: no rows")
-        for key, name in (("task.prompt_column", self.prompt_column), ("task.answer_column", self.answer_column),
-                          ("task.solution_column", self.solution_column)):
-            try:
-                name is None or column(rows[0], name)
-            except KeyError:
-                raise ValueError(f"{key}={name!r} is not a column of {where}; its columns are "
-                                 f"{sorted(rows[0])}") from None
-        return [self._example(row, f"{where}, row {i}") for i, row in enumerate(rows)]
+        examples = [self._example(row, f"{where}, row {i}") for i, row in enumerate(rows)]
+        kept = [e for e in examples if e is not None]
+        if len(kept) < len(examples):
+            log.warning("task=hf: %d of %d rows of %s have no answer (null in %s) and are left out",
+                        len(examples) - len(kept), len(examples), where, self.answer_column)
+        if not kept:
+            raise ValueError(f"{where}: every row's task.answer_column={self.answer_column!r} is null")
+        return kept
 
-    def _example(self, row: dict, where: str) -> Example:
-        prompt, reference = column(row, self.prompt_column), str(column(row, self.answer_column))
+    def _column(self, row: dict, key: str, name: str, where: str):
+        try:
+            return column(row, name)
+        except KeyError:
+            raise ValueError(f"{key}={name!r} is not a column of {where}; its columns are {sorted(row)}") from None
+
+    def _example(self, row: dict, where: str) -> Example | None:
+        prompt = self._column(row, "task.prompt_column", self.prompt_column, where)
+        reference = self._column(row, "task.answer_column", self.answer_column, where)
+        if reference is None:
+            return None
+        reference = str(reference)
         if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt):
             raise ValueError(f"{where}: column {self.prompt_column!r} must be non-empty text or a list of messages, "
                              f"got {prompt!r}")
@@ -168,7 +180,8 @@ class HFDataset(JsonlTask):
             reference = found.group(1) if found.groups() else found.group(0)
         # every other column reaches the rewards; `answer` is the reference's name there
         meta = {key: value for key, value in row.items() if key not in (self.prompt_column, "answer")}
-        solution = None if self.solution_column is None else str(column(row, self.solution_column))
+        solution = (None if self.solution_column is None
+                    else str(self._column(row, "task.solution_column", self.solution_column, where)))
         return Example(prompt=prompt, answer=reference.strip(), meta=meta, solution=solution)
 
     def split_of(self, prompt) -> str:
