@@ -82,9 +82,10 @@ def stand_ins(tmp_path_factory) -> dict[str, list[str]]:
                          data_files(root / "gsm8k", word_problems(40), word_problems(10, seed=1))],
         "recipe_fp16_sanity": [f"model.path={dense}", "trainer=cpu", "task.path=json",
                                data_files(root / "math", math_rows(40, 0), math_rows(10, 1))],
+        # each prompt three times, as the hub copy repeats them
         "recipe_math_moe": [f"model.path={moe}", "trainer.accelerator=cpu", "trainer.devices=2",
                             "trainer.precision=32-true",
-                            f"task.path={write_jsonl(root / 'dapo.jsonl', dapo_rows(60, 0) * 3)}"],  # repeated, as on the hub
+                            f"task.path={write_jsonl(root / 'dapo.jsonl', dapo_rows(60, 0) * 3)}"],
     }
 
 
