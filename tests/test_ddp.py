@@ -1,12 +1,20 @@
 """trainer=ddp on CPU: two gloo processes through Lightning's own DDP strategy and launcher (one step in
-`make test`, four in the full suite: longer, with dynamic sampling, with LoRA)."""
+`make test`, four in the full suite: longer, with dynamic sampling, with LoRA), and how ranks' metrics and reward
+error counts combine (summed, across a resume too)."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+import torch.multiprocessing as mp
+from lightning.pytorch.strategies import DDPStrategy
+
+from gspo_lab.module import across_ranks
 
 
 # dynamic sampling: each rank filters its own groups, and both sample every further round in lockstep
@@ -41,3 +49,55 @@ def test_ddp_two_processes_shard_prompts_and_keep_parameters_identical(steps, sa
         assert max(float(r["rollout/sampling_rounds"]) for r in rows[:steps]) > 1
         assert all(float(r["trained/reward/frac_zero_std"]) == 0 for r in rows[:steps])
     assert list(run_dir.glob("checkpoints/*.ckpt")) and (run_dir / "final" / "config.json").is_file()
+
+
+# rank 0's and rank 1's metrics of one RL step: reward error and timeout counts are each rank's own completions'
+RANK_METRICS = [{"reward/errors": 1.0, "reward/flaky/timeouts": 0.0, "reward/mean": 0.2, "ratio/seq/max": 1.5},
+                {"reward/errors": 3.0, "reward/flaky/timeouts": 2.0, "reward/mean": 0.6, "ratio/seq/max": 1.1}]
+
+
+def reduce_on_rank(rank: int, init_file: str, out_file: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        reduced = across_ranks(RANK_METRICS[rank], DDPStrategy(), torch.device("cpu"))
+        if rank == 0:
+            with open(out_file, "w") as file:
+                json.dump(reduced, file)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_log_the_sum_of_their_reward_error_counts(tmp_path):
+    """Two gloo ranks: counts add up (1 + 3 errors = 4, 0 + 2 timeouts = 2; the mean logged 2 and 1), a mean is
+    the mean (0.2, 0.6 -> 0.4), a */max the max (1.5)."""
+    out = tmp_path / "reduced.json"
+    mp.spawn(reduce_on_rank, args=(str(tmp_path / "init"), str(out)), nprocs=2)
+    reduced = json.loads(out.read_text())
+    assert reduced == {"reward/errors": 4.0, "reward/flaky/timeouts": 2.0, "reward/mean": pytest.approx(0.4),
+                       "ratio/seq/max": 1.5}
+
+
+FLAKY = "reward.functions=[{_target_:gspo_lab.rewards.TaskReward},{_target_:tests.rewards.user_rewards.flaky,weight:0.5}]"
+
+
+@pytest.mark.slow
+def test_two_ranks_count_reward_errors_across_a_resume(rl_overrides, tmp_path):
+    """A checkpoint holds both ranks' error counts summed, and rank 0 alone resumes with them: resumed in place
+    after 2 of 4 RL steps, the logged totals are the uninterrupted run's (when each rank restored the count rank 0
+    saved, its own, the sum counted rank 0's errors twice and rank 1's never)."""
+    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + [FLAKY, "train.eval_every=0"]
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(Path(__file__).parents[1])}
+
+    def fit(run_dir, *extra):
+        result = subprocess.run([sys.executable, "-m", "gspo_lab.train", *overrides, "trainer=ddp", "trainer.devices=2",
+                                 *extra, f"hydra.run.dir={run_dir}"],
+                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(run_dir / "metrics.csv", newline="") as file:
+            return [float(row["reward/flaky/errors"]) for row in csv.DictReader(file) if row["reward/flaky/errors"]]
+
+    whole = fit(tmp_path / "whole", "train.steps=4")
+    fit(tmp_path / "part", "train.steps=2")
+    resumed = fit(tmp_path / "part", "train.steps=4", "ckpt_path=last")
+    assert whole[1] > 0  # the flaky reward raised in the first two steps
+    assert resumed == whole

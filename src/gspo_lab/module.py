@@ -169,7 +169,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         checkpoint["rl_step"] = self.rl_step
         checkpoint["history"] = self.history
         checkpoint["consecutive_skips"] = self.consecutive_skips
-        checkpoint["rewards"] = self.rewards.state_dict()  # running counts of reward errors and timeouts
+        checkpoint["rewards"] = self.reward_counts_of_all_ranks()  # running counts of reward errors and timeouts
         if self.lora is not None:  # the adapters only: the base weights come from the model source on resume
             self.lora.save_checkpoint(checkpoint, prefix="model.")
 
@@ -180,10 +180,21 @@ class RLModule(RolloutCollection, L.LightningModule):
         self.rl_step = checkpoint["rl_step"]
         self.history = [row for row in checkpoint["history"] if row["step"] < self.rl_step]
         self.consecutive_skips = checkpoint["consecutive_skips"]
-        if "rewards" in checkpoint:
-            self.rewards.load_state_dict(checkpoint["rewards"])
-        elif checkpoint.get("reward_errors"):  # a checkpoint written before the reward group: one total, one function
-            self.rewards.errors[self.rewards.functions[0].name] = checkpoint["reward_errors"]
+        counts = checkpoint if self.global_rank == 0 else {}  # all ranks' together: rank 0 carries them on
+        if "rewards" in counts:
+            self.rewards.load_state_dict(counts["rewards"])
+        elif counts.get("reward_errors"):  # a checkpoint written before the reward group: one total, one function
+            self.rewards.errors[self.rewards.functions[0].name] = counts["reward_errors"]
+
+    def reward_counts_of_all_ranks(self) -> dict[str, dict[str, int]]:
+        """The reward functions' running error and timeout counts (`WeightedRewards.state_dict`) summed over the
+        ranks, each of which counts its own completions, as they are logged; collective: every rank saves."""
+        state = self.rewards.state_dict()
+        if self.trainer.world_size == 1:
+            return state
+        summed = across_ranks({f"reward/{name}/{kind}": float(n) for kind, counts in state.items()
+                               for name, n in counts.items()}, self.trainer.strategy, self.device)
+        return {kind: {name: int(summed[f"reward/{name}/{kind}"]) for name in counts} for kind, counts in state.items()}
 
     def teardown(self, stage: str) -> None:
         if self.rewards.runner is not None:  # the grading pool's worker processes
@@ -430,14 +441,7 @@ class RLModule(RolloutCollection, L.LightningModule):
     def reduce_across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         if self.trainer.world_size == 1:
             return metrics
-        keys = sorted(metrics)  # the same keys on every rank
-        values = torch.tensor([metrics[k] for k in keys], device=self.device, dtype=torch.float64)
-        reduced = {
-            "mean": self.trainer.strategy.reduce(values.clone(), reduce_op="mean"),
-            "max": self.trainer.strategy.reduce(values.clone(), reduce_op=ReduceOp.MAX),
-            "min": self.trainer.strategy.reduce(values.clone(), reduce_op=ReduceOp.MIN),
-        }
-        return {k: reduced[reduction(k)][i].item() for i, k in enumerate(keys)}
+        return across_ranks(metrics, self.trainer.strategy, self.device)
 
 
 @dataclass
@@ -470,9 +474,27 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def across_ranks(metrics: dict[str, float], strategy, device: torch.device) -> dict[str, float]:
+    """Every rank's `metrics` (the same keys on each) reduced to one row by the Lightning `strategy`, each key as
+    `reduction` says; collective: every rank calls it."""
+    keys = sorted(metrics)
+    values = torch.tensor([metrics[k] for k in keys], device=device, dtype=torch.float64)  # [K]
+    reduced = {
+        "mean": strategy.reduce(values.clone(), reduce_op="mean"),
+        "sum": strategy.reduce(values.clone(), reduce_op="sum"),
+        "max": strategy.reduce(values.clone(), reduce_op=ReduceOp.MAX),
+        "min": strategy.reduce(values.clone(), reduce_op=ReduceOp.MIN),
+    }
+    return {k: reduced[reduction(k)][i].item() for i, k in enumerate(keys)}
+
+
 def reduction(key: str) -> str:
-    """How a metric combines across mini-batches and ranks: */max by max, */min by min, else mean."""
-    return "max" if key.endswith("/max") else "min" if key.endswith("/min") else "mean"
+    """How a metric combines across mini-batches and ranks: */max by max, */min by min, the reward functions'
+    error and timeout counts (reward/errors, reward/<name>/timeouts, ...; only in rollout metrics, so only across
+    ranks) by sum, for each rank counts its own completions; else mean."""
+    if key.endswith(("/max", "/min")):
+        return key.rsplit("/", 1)[1]
+    return "sum" if key.startswith("reward/") and key.endswith(("/errors", "/timeouts")) else "mean"
 
 
 def combine(rows: list[dict[str, float]]) -> dict[str, float]:
