@@ -35,6 +35,13 @@ def checkpoint_of(source: Path) -> Path:
     return ckpt
 
 
+def read_checkpoint(ckpt: Path) -> dict:
+    """A Lightning checkpoint, memory-mapped, on CPU: pages are read from disk only where a tensor is used (the
+    weights; never the optimizer states, twice the weights' size under AdamW). weights_only: pickled code is
+    refused."""
+    return torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
+
+
 def policy_of_checkpoint(ckpt: Path, cfg: DictConfig | None = None):
     """The policy of a Lightning checkpoint of a run: the model its run's config builds (`cfg`, by default the
     run's config.yaml) with the checkpoint's weights; returns (model, tokenizer, LoraPolicy or None)."""
@@ -45,7 +52,7 @@ def policy_of_checkpoint(ckpt: Path, cfg: DictConfig | None = None):
         cfg = OmegaConf.load(run_dir / "config.yaml")
     model, tokenizer, _ = policy_from_config(cfg, instantiate(cfg.task))
     lora = apply_lora(model, instantiate(cfg.model).lora, cfg.seed) if cfg.model.lora.enabled else None
-    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    state = read_checkpoint(ckpt)["state_dict"]
     weights = {key.removeprefix("model."): value for key, value in state.items() if key.startswith("model.")}
     missing, unexpected = model.load_state_dict(weights, strict=lora is None)
     if unexpected or (lora is not None and not weights):
