@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from gspo_lab.decoder import decoder_of
+from gspo_lab.rollout.batch import RolloutBatch
 from gspo_lab.train import ConfigError, build, plan
 
 
@@ -150,3 +152,31 @@ def test_ddp_ranks_accumulate_micro_batches_to_the_same_update(rl_overrides, tmp
     assert float(micro[-1]["params/rank_spread"]) == 0
     for key in ("loss/total", "loss/policy", "grad_norm", "clip/frac", "entropy", "ratio/seq/mean"):
         assert float(micro[0][key]) == pytest.approx(float(whole[0][key]), rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("replay", ["off", "r2"])
+def test_the_old_policy_forward_takes_micro_batches_and_gives_the_same_values(replay, compose, rl_overrides):
+    """π_old came from one forward of the rank's whole batch, whatever train.micro_batch_size: a long-generation
+    recipe (512 rows x 4,608 tokens) could not hold it. In forwards of micro_batch_size rows it is the same to
+    float32 rounding, and it records the same experts."""
+    results = {}
+    for size in ("null", "3"):
+        _, module, _ = build(compose(rl_overrides + [f"train.micro_batch_size={size}", f"routing.replay={replay}",
+                                                     "rollout.logprobs_from_generation=false"]))
+        generator = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(3, 12, (8, 10), generator=generator)
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[2, :3] = 0  # a left-padded prompt
+        batch = RolloutBatch(input_ids, attention_mask, torch.ones(8, 4), None, torch.zeros(8), torch.zeros(8),
+                             torch.zeros(8, dtype=torch.bool))
+        rows = []
+        hook = decoder_of(module.model).register_forward_pre_hook(
+            lambda _, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+        results[size] = module.old_logprobs(batch)
+        hook.remove()
+        assert rows == ([8] if size == "null" else [3, 3, 2])
+    (whole, whole_trace), (parts, parts_trace) = results["null"], results["3"]
+    torch.testing.assert_close(parts, whole, rtol=0, atol=16 * 1.2e-7 * whole.abs().max().item())
+    # the MoE's experts are recorded with replay off too (for the diagnostics)
+    assert torch.equal(parts_trace.indices, whole_trace.indices) and parts_trace.indices.shape[1] == 8
+    assert torch.equal(parts_trace.recorded, whole_trace.recorded)

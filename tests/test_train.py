@@ -19,7 +19,9 @@ from gspo_lab import CONFIG_DIR
 from gspo_lab.cold_start import policy_from_config
 from gspo_lab.module import RLModule
 from gspo_lab.rollout import logprobs
-from gspo_lab.train import build, train, warn_inexact_old_logprobs
+from gspo_lab.rewards import build_rewards
+from gspo_lab.tasks import HFDataset
+from gspo_lab.train import build, train, warn_inexact_old_logprobs, warn_latex_only_reward
 from tests.numerics import RATIO_ROUNDING
 
 CONTRACT_COLUMNS = [
@@ -181,6 +183,21 @@ def test_generation_logprobs_on_a_gpu_in_16_bit_are_warned_about(from_generation
     with caplog.at_level(logging.WARNING, logger="gspo_lab.train"):
         assert warn_inexact_old_logprobs(from_generation, device, precision) is warned
     assert ("rollout.logprobs_from_generation=false" in caplog.text) is warned
+
+
+@pytest.mark.parametrize(("functions", "match", "warned"), [
+    ([{"_target_": "gspo_lab.rewards.math_accuracy"}], "math_verify", True),  # TRL's default: LaTeX only
+    ([{"_target_": "gspo_lab.rewards.math_accuracy", "latex_only": True}], "math_verify", True),
+    ([{"_target_": "gspo_lab.rewards.math_accuracy", "latex_only": False}], "math_verify", False),
+    ([{"_target_": "gspo_lab.rewards.math_accuracy"}], "numeric", False),  # the checker reads the last number
+    ([{"_target_": "gspo_lab.rewards.TaskReward"}], "math_verify", False),  # the checker itself
+])
+def test_a_latex_only_reward_beside_a_checker_reading_plain_answers_is_warned_about(functions, match, warned, caplog):
+    """"The answer is 42" scored 0 in training (reward=math_verify) and counted in eval/accuracy (task=hf)."""
+    task = HFDataset(rows=[{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(30)], match=match)
+    with caplog.at_level(logging.WARNING, logger="gspo_lab.train"):
+        assert warn_latex_only_reward(build_rewards({"functions": functions, "num_workers": 0}, task), task) is warned
+    assert ("latex_only=false to measure the same thing" in caplog.text) is warned
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["as_configured", "every_forward_shares_prompts"])

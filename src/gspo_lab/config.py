@@ -139,7 +139,8 @@ class TrainConfig:
         minibatches: optimizer steps per rollout batch; the first is on-policy, the rest off-policy.
         micro_batch_size: rows per forward and backward, gradients accumulated to the mini-batch (one optimizer
             step per mini-batch as without); null runs each mini-batch whole. The update does not depend on it
-            (gspo_lab.objectives.micro_batches), only the memory and the float rounding.
+            (gspo_lab.objectives.micro_batches), only the memory and the float rounding. The no-grad old-policy
+            and reference forwards take this many rows at a time too (null: the rank's whole batch).
         lr: learning rate, read by the optimizer config.
         grad_clip: max gradient norm; 0 disables clipping.
         shuffle_rewards: negative control: shuffle rewards across the rollout batch before advantages.

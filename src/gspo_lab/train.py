@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,9 +41,10 @@ from gspo_lab.module import RLModule, TooManySkippedUpdates
 from gspo_lab.objectives.micro_batches import check_splittable
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
-from gspo_lab.rewards import build_rewards
+from gspo_lab.rewards import build_rewards, math_accuracy
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.sharding import full_state_dict, is_sharded
+from gspo_lab.tasks import HFDataset
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ def plan(cfg: DictConfig) -> Plan:
         parts["train"].check_against(parts["rollout"], trainer.world_size)
         parts["routing"].check_against(parts["rollout"])
         check_rollout_correction(parts["objective"], parts["rollout"])
+        warn_latex_only_reward(parts["rewards"], parts["task"])
         warn_inexact_old_logprobs(parts["rollout"].logprobs_from_generation,
                                   "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
                                   str(trainer.precision))
@@ -143,6 +146,23 @@ def check_rollout_correction(objective, rollout) -> None:
             "it corrects a trainer-computed π_old toward the engine's samples, and π_old is then the engine's own; "
             "set rollout.logprobs_from_generation=false"
         )
+
+
+def warn_latex_only_reward(rewards, task) -> bool:
+    """reward=math_verify reads LaTeX answers only by default (TRL's accuracy reward), while task=hf's checker,
+    which scores eval/accuracy, reads plain answers too: "The answer is 42" would score 0 in training and count as
+    correct in evaluation. Warns (and returns True) where such a pair trains; latex_only=false makes them agree."""
+    def reads_latex_only(fn) -> bool:
+        settings = fn.keywords if isinstance(fn, functools.partial) else {}
+        return getattr(fn, "func", fn) is math_accuracy and settings.get("latex_only", True)
+
+    latex_only = [f.name for f in rewards.functions if reads_latex_only(f.fn)]
+    if not (latex_only and getattr(task, "match", None) == "math_verify" and isinstance(task, HFDataset)):
+        return False
+    log.warning("reward function %s reads LaTeX answers only (latex_only=true), while task=hf's checker, which scores "
+                "eval/accuracy, reads plain answers too (\"The answer is 42\"): training rewards less than evaluation "
+                "counts. Set reward.functions.<i>.latex_only=false to measure the same thing.", latex_only[0])
+    return True
 
 
 def warn_inexact_old_logprobs(from_generation: bool, device: str, precision: str) -> bool:

@@ -11,6 +11,7 @@ from contextlib import nullcontext
 
 import torch
 
+from gspo_lab.objectives import micro_batches
 from gspo_lab.rewards import Scores
 from gspo_lab.rollout.batch import RolloutBatch
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
@@ -65,18 +66,36 @@ class RolloutCollection:
             metrics["time/mismatch_s"] = time.perf_counter() - started
         started = time.perf_counter()
         if batch.old_logp is None:
-            with torch.no_grad(), self.routing.old_policy(batch) as trace:  # r3 replays here, off and r2 record
-                share = self.routing.mode != "r3" or self.replay_allows_sharing(batch)
-                batch.old_logp, _ = self.logprobs(batch, share_prompts=share)
-            batch.routing_trace = trace
+            batch.old_logp, batch.routing_trace = self.old_logprobs(batch)
         metrics["time/old_logprobs_s"] = time.perf_counter() - started
         if self.kl_penalty:
             started = time.perf_counter()
             # the reference routes with its own routers: no replay context is open here
             with torch.no_grad(), self.lora.disabled() if self.lora is not None else nullcontext():
-                batch.ref_logp, _ = self.logprobs(batch, self.reference, share_prompts=True)
+                batch.ref_logp = torch.cat([self.logprobs(part, self.reference, share_prompts=True)[0]
+                                            for part in self.forward_parts(batch)])
             metrics["time/ref_logprobs_s"] = time.perf_counter() - started
         return batch
+
+    def forward_parts(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        """The batch as its no-grad forwards take it: train.micro_batch_size rows at a time, as training's forwards
+        (else the rank's whole batch at once, which a long-generation recipe cannot hold: 512 rows x 4,608 tokens
+        of a 1.5B model's MLP activations are about 127 GB)."""
+        slices = micro_batches.micro_slices(batch.input_ids.shape[0], self.train_cfg.micro_batch_size)
+        return [batch] if len(slices) == 1 else [batch.rows(torch.arange(s.start, s.stop)) for s in slices]
+
+    def old_logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, RoutingTrace | None]:
+        """π_old of the batch's completion tokens [B, C] and the old policy's routing trace, in no-grad forwards
+        of `forward_parts`; r3 replays the engine's experts there, off and r2 record them."""
+        logps, traces = [], []
+        for part in self.forward_parts(batch):
+            with torch.no_grad(), self.routing.old_policy(part) as trace:
+                share = self.routing.mode != "r3" or self.replay_allows_sharing(part)
+                logps.append(self.logprobs(part, share_prompts=share)[0])
+            traces.append(trace)
+        if len(logps) == 1:
+            return logps[0], traces[0]
+        return torch.cat(logps), None if traces[0] is None else RoutingTrace.cat(traces)
 
     def sample_round(self, step: int, sampling_round: int, metrics: dict[str, float]) -> SampledRound:
         """One round of this rank's share of the step's prompts, `group_size` completions each, scored."""
