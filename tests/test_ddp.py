@@ -77,7 +77,8 @@ def test_two_ranks_log_the_sum_of_their_reward_error_counts(tmp_path):
                        "ratio/seq/max": 1.5}
 
 
-FLAKY = "reward.functions=[{_target_:gspo_lab.rewards.TaskReward},{_target_:tests.rewards.user_rewards.flaky,weight:0.5}]"
+FLAKY = ("reward.functions=[{_target_:gspo_lab.rewards.TaskReward},"
+         "{_target_:tests.rewards.user_rewards.flaky,weight:0.5}]")  # raises on completions containing '7'
 
 
 @pytest.mark.slow

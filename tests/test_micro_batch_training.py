@@ -77,6 +77,7 @@ def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_micro_batch_size(c
     gradients in the last micro-batch's backward only (DDP's no_sync around the others), so as often as whole
     mini-batches do: once per bucket per optimizer step, 2 steps. The gradient is the same to float32 rounding."""
     gradients, counts = {}, {}
+    environ, threads = dict(os.environ), torch.get_num_threads()  # Lightning sets MASTER_PORT, OMP_NUM_THREADS
     try:
         for size in ("null", "3"):
             counter = CountAllReduces()
@@ -88,6 +89,9 @@ def test_ddp_all_reduces_once_per_optimizer_step_whatever_the_micro_batch_size(c
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
     assert counts["null"] > 0 and counts["null"] % 2 == 0  # 2 optimizer steps, the same buckets each
     assert counts["3"] == counts["null"]
     for got, expected in zip(gradients["3"], gradients["null"], strict=True):
