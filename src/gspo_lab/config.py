@@ -58,6 +58,47 @@ class EngineConfig:
         return self.precision != "fp32" or self.weight_bits is not None
 
 
+BACKENDS = ("hf", "vllm")  # rollout.backend
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM's settings for rollout.backend=vllm (gspo_lab.rollout.vllm_engine); the rest is vLLM's defaults.
+
+    Args:
+        dtype: the engine's weights and compute ("float32", "bfloat16", "float16"); null: the trainer model's.
+        max_model_len: the longest prompt + completion it serves; null: the model's max_position_embeddings.
+        gpu_memory_utilization: the share of the GPU vLLM may take (weights, activations, KV cache), beside the
+            trainer colocated on it (TRL's colocate default is 0.3); not used on CPU.
+        cpu_kv_cache_gb: GiB of KV cache on CPU (VLLM_CPU_KVCACHE_SPACE, unless already set).
+        enforce_eager: no CUDA graphs (they take seconds to capture and memory to hold; a GPU run gains speed
+            from false).
+        enable_sleep_mode: on a GPU, free the engine's memory while the trainer updates (not on CPU).
+        enable_prefix_caching: a group's prompt is prefilled once and its keys and values reused.
+    """
+
+    dtype: str | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.3
+    cpu_kv_cache_gb: int = 1
+    enforce_eager: bool = True
+    enable_sleep_mode: bool = False
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in (None, "float32", "bfloat16", "float16"), "rollout.vllm.dtype", self.dtype,
+                 "must be null, float32, bfloat16 or float16")
+        if self.max_model_len is not None:
+            _positive_int("rollout.vllm.max_model_len", self.max_model_len)
+        utilisation = self.gpu_memory_utilization
+        _require(isinstance(utilisation, (int, float)) and 0 < utilisation <= 1, "rollout.vllm.gpu_memory_utilization",
+                 utilisation, "must satisfy 0 < gpu_memory_utilization <= 1")
+        _positive_int("rollout.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb)
+        for key in ("enforce_eager", "enable_sleep_mode", "enable_prefix_caching"):
+            _require(isinstance(getattr(self, key), bool), f"rollout.vllm.{key}", getattr(self, key),
+                     "must be true or false")
+
+
 @dataclass
 class RolloutConfig:
     """How completions are sampled each RL step.
@@ -69,8 +110,11 @@ class RolloutConfig:
         temperature: sampling temperature, applied identically when log-probs are computed.
         top_p: nucleus sampling threshold (1 disables it).
         mask_truncated: leave truncated completions out of the loss.
-        logprobs_from_generation: take old log-probs from generate's logits instead of a second forward
-            (the default; r2 routing replay needs the forward).
+        backend: what generates: "hf" (transformers' `generate` on the trainer's weights, through `engine`) or
+            "vllm" (vLLM in this process, the trainer's weights pushed after every update; `vllm`).
+        logprobs_from_generation: take old log-probs from the engine's own instead of a no-grad trainer forward
+            (r2 routing replay needs the forward); null: true for hf (its engine is the trainer: exact), false
+            for vllm (a forward of the trainer's own, as TRL and verl take them; true is verl's bypass mode).
         suppress_eos: never sample EOS, so every completion has exactly max_new_tokens (benchmarks).
         share_prompt_prefill: prefill each group's prompt once and continue its group_size completions from its
             keys and values (gspo_lab.rollout.generation.prefill_distinct_prompts): the same samples to float
@@ -85,7 +129,8 @@ class RolloutConfig:
         generation_batch_size: rows per `generate` call (None: all of a rank's rows at once). Every row samples
             from its own seeded stream, so the samples do not depend on it (to float rounding of the logits), except
             under engine.router_noise, whose noise is drawn for each call's rows together.
-        engine: how the rollout engine differs from the trainer (`EngineConfig`; the default: not at all).
+        engine: how the hf engine differs from the trainer (`EngineConfig`; the default: not at all).
+        vllm: vLLM's settings (`VLLMConfig`), for backend=vllm.
     """
 
     prompts_per_step: int = 16
@@ -94,7 +139,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     mask_truncated: bool = False
-    logprobs_from_generation: bool = True
+    backend: str = "hf"
+    logprobs_from_generation: bool | None = None
     suppress_eos: bool = False
     share_prompt_prefill: bool = True
     filter_zero_std_groups: bool = False
@@ -102,8 +148,14 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     generation_batch_size: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self) -> None:
+        _require(self.backend in BACKENDS, "rollout.backend", self.backend, f"must be one of {list(BACKENDS)}")
+        if self.logprobs_from_generation is None:
+            self.logprobs_from_generation = self.backend == "hf"
+        _require(isinstance(self.logprobs_from_generation, bool), "rollout.logprobs_from_generation",
+                 self.logprobs_from_generation, "must be null, true or false")
         _positive_int("rollout.prompts_per_step", self.prompts_per_step)
         _positive_int("rollout.group_size", self.group_size, minimum=2)
         _positive_int("rollout.max_new_tokens", self.max_new_tokens)

@@ -48,7 +48,7 @@ from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards
 from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, token_logprobs
 from gspo_lab.rollout.collection import RolloutCollection
-from gspo_lab.rollout.engine import RolloutEngine
+from gspo_lab.rollout.engine import build_engine
 from gspo_lab.rollout.generation import distinct_prompts
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.routing.trace import RoutingTrace
@@ -114,7 +114,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
         self.routing = RoutingReplay(model, routing.replay, diagnostics_rows=routing.diagnostics_rows)
         self.diagnostics_every = routing.diagnostics_every
-        self.engine = RolloutEngine(model, rollout.engine)  # the trainer's model itself unless configured
+        self.engine = build_engine(model, rollout)  # hf: the trainer's model itself unless configured
         self.prompts = PromptSchedule(task, rollout.prompts_per_step, seed)
         self.render = (prompt or PromptFormat()).bind(tokenizer)
         self.evaluation = evaluation or EvalPlan(EvalSettings(), [SetSpec(HELDOUT, task, prompt or PromptFormat(),
@@ -197,9 +197,15 @@ class RLModule(RolloutCollection, L.LightningModule):
         return {kind: {name: int(summed[f"reward/{name}/{kind}"]) for name in counts} for kind, counts in state.items()}
 
     def teardown(self, stage: str) -> None:
-        if self.rewards.runner is not None:  # the grading pool's worker processes
+        self.close()
+
+    def close(self) -> None:
+        """Stop what runs beside the model: the grading pools' worker processes and the rollout engine (vLLM's);
+        the module's teardown on success, gspo_lab.train when fit raises."""
+        if self.rewards.runner is not None:
             self.rewards.runner.close()
         self.evaluation.close()
+        self.engine.close()
 
     # ---- one RL step --------------------------------------------------------------------------------------
 

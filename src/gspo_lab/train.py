@@ -42,6 +42,7 @@ from gspo_lab.objectives.micro_batches import check_splittable
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
 from gspo_lab.rewards import build_rewards, math_accuracy
+from gspo_lab.rollout import vllm_engine
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.sharding import full_state_dict, is_sharded
 from gspo_lab.tasks import HFDataset
@@ -84,13 +85,6 @@ class Plan:
     optimizer: object
     model_source: object
     ckpt_path: str | None
-
-    def close(self) -> None:
-        """Stop the grading workers of the rewards and the evaluation: the module's teardown does on success,
-        and Lightning skips it when fit raises (the next job of a multirun runs in the same process)."""
-        if self.rewards.runner is not None:
-            self.rewards.runner.close()
-        self.evaluation.close()
 
 
 def plan(cfg: DictConfig) -> Plan:
@@ -185,10 +179,15 @@ def warn_inexact_old_logprobs(from_generation: bool, device: str, precision: str
 
 def check_model(model_source, routing, rollout, trainer: L.Trainer) -> None:
     """What the model and the strategy must support, checked on the architecture alone (`skeleton()`, on the
-    meta device) before the cold start or any weights: routing replay needs an MoE with a routing adapter, and
-    trainer=fsdp (sharded weights) takes neither LoRA nor an engine copy of the weights."""
+    meta device) before the cold start or any weights: routing replay needs an MoE with a routing adapter,
+    trainer=fsdp (sharded weights) takes neither LoRA nor an engine copy of the weights, and rollout.backend=vllm
+    what vLLM serves here (`vllm_engine.check`)."""
     if routing.replay != "off":
         find_routers(model_source.skeleton(), f"routing.replay={routing.replay}")  # raises for dense / unsupported
+    if rollout.backend == "vllm":
+        device = "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
+        vllm_engine.check(rollout, model_source.skeleton(), routing.replay, device,
+                          isinstance(trainer.strategy, ModelParallelStrategy), model_source.lora.enabled)
     if isinstance(trainer.strategy, ModelParallelStrategy):
         if model_source.lora.enabled:
             raise ValueError("model.lora.enabled=true is not supported with trainer=fsdp (untested); use "
@@ -263,8 +262,8 @@ def train(cfg: DictConfig) -> dict:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     try:
         return _fit(run, module, algorithm)
-    finally:
-        run.close()
+    finally:  # the module's teardown does on success; Lightning skips it when fit raises, and the next job of a
+        module.close()  # multirun runs in this process
 
 
 def _fit(run: Plan, module: RLModule, algorithm: str) -> dict:

@@ -12,13 +12,14 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from gspo_lab import CONFIG_DIR
-from gspo_lab.config import EngineConfig
+from gspo_lab.config import EngineConfig, RolloutConfig, VLLMConfig
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import generate, token_logprobs
 from gspo_lab.rollout.collection import engine_mismatch
+from gspo_lab.rollout import vllm_engine
 from gspo_lab.rollout.engine import RolloutEngine
 from gspo_lab.routing import is_moe, record_routing, replay_routing
-from gspo_lab.train import build
+from gspo_lab.train import ConfigError, build, plan
 from tests.numerics import RATIO_ROUNDING, rounding_tolerance
 
 TINY_MOE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -226,3 +227,20 @@ def test_an_fp16_engine_generates_and_caches_in_float16_under_mixed_precision(ti
     assert cached == {torch.float16}
     assert torch.equal(outs["32-true"].completion_ids, outs[trainer_precision].completion_ids)
     assert torch.equal(outs["32-true"].logprobs, outs[trainer_precision].logprobs)
+
+
+def test_the_backend_setting_and_its_old_logprobs_default():
+    """hf takes π_old from its engine, which is the trainer (exact); vllm from a trainer forward, as TRL and verl."""
+    assert RolloutConfig().logprobs_from_generation is True
+    assert RolloutConfig(backend="vllm").logprobs_from_generation is False
+    assert RolloutConfig(backend="vllm", logprobs_from_generation=True).logprobs_from_generation is True
+    with pytest.raises(ValueError, match=r"rollout.backend='sglang' is invalid: must be one of \['hf', 'vllm'\]"):
+        RolloutConfig(backend="sglang")
+    with pytest.raises(ValueError, match=r"rollout.vllm.gpu_memory_utilization=1.5 is invalid"):
+        VLLMConfig(gpu_memory_utilization=1.5)
+
+
+@pytest.mark.skipif(vllm_engine.available(), reason="vLLM is installed here (make test-vllm tests the backend)")
+def test_the_vllm_backend_without_vllm_names_the_extra_to_install(compose, tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout.backend=vllm needs vLLM: pip install -e '.\[vllm\]' on a GPU node"):
+        plan(compose(["rollout.backend=vllm", f"paths.output_dir={tmp_path}"]))

@@ -28,7 +28,8 @@ NAME = "index_add"
 def index_add_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                               top_k_weights: Tensor) -> Tensor:
     """hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k] -> the experts' weighted sum [N, H]."""
-    if hidden_states.device.type != "cpu" or self.has_bias or self.has_post_expert_norm or self._is_expert_parallel:
+    post_norm = getattr(self, "has_post_expert_norm", False)  # transformers >= 5.20; vLLM's CPU build pins < 5.20
+    if hidden_states.device.type != "cpu" or self.has_bias or post_norm or self._is_expert_parallel:
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     num_top_k = top_k_index.size(-1)
     expert_ids, order = torch.sort(top_k_index.reshape(-1))  # [S = N k] pairs grouped by expert

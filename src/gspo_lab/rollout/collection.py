@@ -16,7 +16,7 @@ from gspo_lab.rewards import Scores
 from gspo_lab.rollout.batch import RolloutBatch
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
 from gspo_lab.rollout.engine import mismatch_metrics
-from gspo_lab.rollout.generation import Completions, draw_row_seeds, generate
+from gspo_lab.rollout.generation import Completions, draw_row_seeds
 from gspo_lab.routing.trace import RoutingTrace
 from gspo_lab.tasks.base import Example
 from gspo_lab.tensors import frac_zero_std
@@ -146,16 +146,10 @@ class RolloutCollection:
         size = cfg.generation_batch_size or len(prompts)
         parts, traces = [], []
         for start in range(0, len(prompts), size):
-            with self.engine.generating(), self.routing.generation(self.engine.model):
-                part = generate(
-                    self.engine.model, self.tokenizer, prompts[start : start + size], cfg.max_new_tokens,
-                    temperature=cfg.temperature, top_p=cfg.top_p, suppress_eos=cfg.suppress_eos, return_logprobs=True,
-                    share_prompts=cfg.share_prompt_prefill, stop_token_ids=cfg.stop_token_ids,
-                    add_special_tokens=self.render.add_special_tokens, row_seeds=seeds[start : start + size],
-                )
-            prompt_len = part.prompt_ids.shape[1]
+            part, trace = self.engine.generate(self.tokenizer, prompts[start : start + size], cfg,
+                                               seeds[start : start + size], self.render.add_special_tokens, self.routing)
             parts.append(part)
-            traces.append(self.routing.generation_trace(prompt_len, prompt_len + part.completion_ids.shape[1]))
+            traces.append(trace)
         completions, trace = one_batch(parts, traces, self.tokenizer.pad_token_id)
         metrics["time/engine_sync_s"] = metrics.get("time/engine_sync_s", 0.0) + synced - started
         metrics["time/generate_s"] = metrics.get("time/generate_s", 0.0) + time.perf_counter() - synced

@@ -22,9 +22,11 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from gspo_lab.config import PRECISIONS, EngineConfig
+from gspo_lab.config import PRECISIONS, EngineConfig, RolloutConfig
+from gspo_lab.rollout.generation import Completions, generate
 from gspo_lab.routing.adapters import ADAPTERS, expert_input_dim
 from gspo_lab.routing.hooks import router_hooks
+from gspo_lab.routing.trace import RoutingTrace
 from gspo_lab.tensors import k3, masked_mean
 
 
@@ -99,6 +101,23 @@ class RolloutEngine:
                 value = fake_quantise(value.float(), self.config.weight_bits, self.quantised[name]).to(target.dtype)
             target.copy_(value)
 
+    def close(self) -> None:
+        """Nothing to stop: the copy, if any, is an ordinary module."""
+
+    def generate(self, tokenizer, prompts: list[str], rollout: RolloutConfig, row_seeds: Tensor,
+                 add_special_tokens: bool, routing) -> tuple[Completions, RoutingTrace | None]:
+        """One completion per prompt with transformers' `generate` (gspo_lab.rollout.generation), row n from the
+        stream `row_seeds[n]`, with its log-probs, and the experts `routing` records in generation."""
+        with self.generating(), routing.generation(self.model):
+            completions = generate(
+                self.model, tokenizer, prompts, rollout.max_new_tokens, temperature=rollout.temperature,
+                top_p=rollout.top_p, suppress_eos=rollout.suppress_eos, return_logprobs=True,
+                share_prompts=rollout.share_prompt_prefill, stop_token_ids=rollout.stop_token_ids,
+                add_special_tokens=add_special_tokens, row_seeds=row_seeds,
+            )
+        prompt_len = completions.prompt_ids.shape[1]
+        return completions, routing.generation_trace(prompt_len, prompt_len + completions.completion_ids.shape[1])
+
     def generating(self) -> ExitStack:
         """Around generate: an engine copy computes in its own precision, with the autocast that
         trainer.precision wraps the RL step in turned off (under bf16-mixed a float16 copy would multiply in
@@ -111,6 +130,16 @@ class RolloutEngine:
         if self.config.router_noise != 0:
             context.enter_context(noisy_routers(self.model, self.config.router_noise))
         return context
+
+
+def build_engine(model: torch.nn.Module, rollout: RolloutConfig):
+    """The engine rollout.backend names: this module's RolloutEngine (hf) or vLLM's (gspo_lab.rollout.vllm_engine).
+    Both `sync()` the trainer's weights and `generate(...)` completions; nothing else tells them apart."""
+    if rollout.backend == "vllm":
+        from gspo_lab.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, rollout.vllm)
+    return RolloutEngine(model, rollout.engine)
 
 
 @contextmanager

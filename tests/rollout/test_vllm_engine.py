@@ -1,0 +1,105 @@
+"""rollout.backend=vllm against vLLM's CPU build (make test-vllm): the engine's log-probs are the trainer's after
+every weight sync (dense and MoE), a stale engine is caught, the samples follow their seeds whatever the batching,
+and what vLLM cannot run here is refused before anything trains. Skipped where vLLM is not installed."""
+
+import lightning as L
+import pytest
+import torch
+
+from gspo_lab.rollout import token_logprobs
+from gspo_lab.rollout.generation import draw_row_seeds
+from gspo_lab.rollout.vllm_engine import VLLMEngine
+from gspo_lab.train import ConfigError, build, plan
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+VLLM = ["rollout.backend=vllm"]
+PROMPTS = ["12+34=", "5+6=", "70+8=", "9+90="]
+# float32 log-probs of a few units from two implementations of the same maths (vLLM's packed oneDNN GEMMs and
+# its attention kernel against transformers'): a few hundred float32 eps; measured 4.8e-7
+ROUNDING = 1e-5
+TINY = {"tiny_dense": ["model.config.num_hidden_layers=1", "model.config.hidden_size=64",
+                       "model.config.intermediate_size=128"],
+        "tiny_moe": ["model.config.num_hidden_layers=1", "model.config.hidden_size=64",
+                     "model.config.moe_intermediate_size=32"]}
+
+
+def engine_gap(module, seeds: torch.Tensor) -> float:
+    """The largest |engine log-prob - trainer log-prob| over the tokens the engine samples for PROMPTS."""
+    completions, trace = module.engine.generate(module.tokenizer, PROMPTS, module.rollout_cfg, seeds,
+                                                module.render.add_special_tokens)
+    assert trace is None and completions.completion_mask.sum() > len(PROMPTS)
+    input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)
+    mask = torch.cat([completions.prompt_mask, completions.completion_mask], 1)
+    with torch.no_grad():
+        trainer, _ = token_logprobs(module.model, input_ids, mask, completions.completion_ids.shape[1],
+                                   module.rollout_cfg.temperature)
+    return ((completions.logprobs - trainer) * completions.completion_mask).abs().max().item()
+
+
+@pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe"])
+def test_the_engine_samples_with_the_trainers_weights_after_every_sync(model, compose, rl_overrides):
+    """At step 0 and after 3 optimizer updates the engine's log-probs of its own samples are the trainer's to
+    float32 rounding; between the updates and the next sync they are not (the check sees a stale engine). On CPU
+    vLLM packs every Linear (and a MoE's expert banks) for its kernels at load: a sync that misses them fails."""
+    tiny = [o for o in rl_overrides if not o.startswith("model.")] + [f"model={model}", *TINY[model]]
+    run, module, _ = build(compose(tiny + VLLM + ["train.steps=1", "train.minibatches=3", "rollout.prompts_per_step=3",
+                                                  "train.eval_every=0"]))
+    seeds = draw_row_seeds(len(PROMPTS))
+    try:
+        module.engine.sync()
+        assert engine_gap(module, seeds) <= ROUNDING
+        run.trainer.callbacks.append(KeepEngine())
+        run.trainer.fit(module)  # one RL step: its rollout syncs, then 3 optimizer updates
+        assert engine_gap(module, seeds) > 100 * ROUNDING  # stale: the engine still holds the rollout's weights
+        module.engine.sync()
+        assert engine_gap(module, seeds) <= ROUNDING
+    finally:
+        module.close()
+
+
+class KeepEngine(L.Callback):
+    """Keeps the engine past fit (the module's teardown closes it), for the test to look at it afterwards."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        pl_module.teardown = lambda stage: None
+
+
+def test_the_samples_follow_their_seeds_whatever_the_batching_and_the_engine(compose, rl_overrides):
+    _, module, _ = build(compose(rl_overrides + VLLM))
+    generate = lambda engine, prompts, seeds: engine.generate(  # noqa: E731
+        module.tokenizer, prompts, module.rollout_cfg, seeds, module.render.add_special_tokens)[0]
+    seeds = torch.tensor([11, 12, 13, 14])
+    try:
+        module.engine.sync()
+        whole = generate(module.engine, PROMPTS, seeds)
+        reversed_ = generate(module.engine, PROMPTS[::-1], seeds.flip(0))
+        halves = [generate(module.engine, PROMPTS[:2], seeds[:2]), generate(module.engine, PROMPTS[2:], seeds[2:])]
+    finally:
+        module.close()
+    other = VLLMEngine(module.model, module.rollout_cfg.vllm)  # another engine, as a second run starts one
+    try:
+        other.sync()
+        again = generate(other, PROMPTS, seeds)
+    finally:
+        other.close()
+    assert whole.texts == reversed_.texts[::-1] == halves[0].texts + halves[1].texts == again.texts
+    assert len(set(whole.texts)) > 1  # the seeds differ, and so do the samples
+    torch.testing.assert_close(again.logprobs, whole.logprobs, rtol=0, atol=ROUNDING)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.engine.precision=bf16"], r"rollout.engine.\* simulates an inference engine on the hf backend"),
+    (["rollout.engine.router_noise=0.1"], r"rollout.engine.\* simulates"),
+    (["routing.replay=r3"], r"routing.replay=r3 with rollout.backend=vllm"),
+    (["rollout.top_p=0.9"], r"rollout.top_p=0.9 with rollout.backend=vllm: vLLM's log-probs of a top-p sample"),
+    (["rollout.suppress_eos=true"], r"rollout.suppress_eos=true with rollout.backend=vllm"),
+    (["model.config.head_dim=16"], r"the model's head size is 16, and vLLM's CPU attention kernels take multiples "
+                                   r"of 32"),
+    (["model=tiny_moe", "+model.config.architectures=[NotAModelForCausalLM]"], r"vLLM does not serve"),
+    (["model.lora.enabled=true"], r"rollout.backend=vllm with model.lora.enabled=true is not supported yet"),
+])
+def test_what_vllm_cannot_run_here_is_refused_before_anything_trains(overrides, message, compose, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        plan(compose(VLLM + overrides + [f"paths.output_dir={tmp_path}"]))
