@@ -36,6 +36,8 @@ from gspo_lab.evaluation import write_jsonl
 from gspo_lab.export import policy_of_checkpoint
 from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import load_pretrained
+from gspo_lab.rollout import vllm_engine
+from gspo_lab.rollout.engine import build_engine
 
 log = logging.getLogger(__name__)
 TOOL_KEYS = ("checkpoint", "tokenizer", "progress")  # gspo-eval's own keys (conf/gspo_eval.yaml)
@@ -120,6 +122,17 @@ def check_tokenizer(model, tokenizer, checkpoint: str, source: str) -> None:
                         f"{len(tokenizer)} tokens {too_big or ''} and the model embeds {rows} rows")
 
 
+def rollout_engine(cfg: DictConfig, model):
+    """The run's rollout engine (rollout.backend), which evaluation generates with, as in training."""
+    try:
+        rollout = instantiate(cfg.rollout)
+    except Exception as error:  # noqa: BLE001 - Hydra wraps the dataclass's ValueError
+        raise EvalError(str(error.__cause__ or error)) from None
+    if rollout.backend == "vllm" and not vllm_engine.available():
+        raise EvalError(f"{vllm_engine.INSTALL}; or evaluate with transformers: rollout.backend=hf")
+    return build_engine(model, rollout)
+
+
 def evaluate_checkpoint(cfg: DictConfig) -> dict:
     """Evaluate `cfg.checkpoint` on `cfg.eval`'s sets; writes eval.json and samples.jsonl; returns eval.json."""
     quiet_libraries()
@@ -144,12 +157,14 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
     except ValueError as error:
         raise EvalError(str(error)) from error
     evaluator = plan.evaluator(tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.get("stop_token_ids") or [], cfg.seed)
+    engine = rollout_engine(cfg, model)
     total = sum(len(s.examples) * (evaluator.settings.greedy + evaluator.settings.n) for s in evaluator.sets)
     try:
         with tqdm(total=total, unit="completion", disable=not cfg.get("progress", True), file=sys.stderr) as bar:
-            metrics, rows = evaluator.run(model, tokenizer, progress=bar.update)
+            metrics, rows = evaluator.run(model, tokenizer, progress=bar.update, sampler=engine.eval_sampler())
     finally:
         plan.close()
+        engine.close()
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"checkpoint": str(checkpoint), "tokenizer": source, "seed": cfg.seed,

@@ -20,6 +20,7 @@ the training's random state is left as it was.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -38,7 +39,7 @@ from gspo_lab.grading.checks import Checker, grade
 from gspo_lab.prompts import Renderer
 from gspo_lab.rewards import WeightedRewards
 from gspo_lab.rollout.collection import reward_inputs
-from gspo_lab.rollout.generation import generate
+from gspo_lab.rollout.generation import Completions, generate
 from gspo_lab.seeding import stream_seed
 from gspo_lab.tasks.base import Example, Task
 
@@ -194,13 +195,16 @@ class Evaluator:
 
     def run(self, model, tokenizer, rank: int = 0, world: int = 1,
             reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, keep: int | None = None,
-            progress: Callable[[int], None] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+            progress: Callable[[int], None] | None = None,
+            sampler: Callable[..., Completions] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Metrics of every set (and eval/accuracy, the heldout set's greedy accuracy) and the sample rows of the
         first `keep` prompts of each (all: None) on this rank.
         Every rank scores the prompts rank, rank + world, ...; with several ranks each share is padded (with a
         repeat of a prompt, left out of every count and row) to the largest share, so every rank makes the same
         generate calls, as a sharded model's collectives need, and reduces the same keys. `progress(n)` is told
-        of each n completions."""
+        of each n completions. `sampler` generates (`generate`'s contract without the model; the rollout engine's
+        `eval_sampler()`); default: `generate` on `model`."""
+        sample = sampler or functools.partial(generate, model)
         metrics: dict[str, float] = {}
         rows: list[dict[str, Any]] = []
         started = time.perf_counter()
@@ -212,9 +216,9 @@ class Evaluator:
             padded = examples + [eval_set.examples[0]] * (share - len(examples)) if world > 1 else examples
             numbers = indices + [0] * (len(padded) - len(examples))  # each padded prompt's index in the set
             n = self.settings.n
-            greedy = self._decode(model, tokenizer, eval_set, padded, numbers, 1, True, progress) \
+            greedy = self._decode(sample, tokenizer, eval_set, padded, numbers, 1, True, progress) \
                 if self.settings.greedy else None
-            sampled = self._decode(model, tokenizer, eval_set, padded, numbers, n, False, progress) if n else None
+            sampled = self._decode(sample, tokenizer, eval_set, padded, numbers, n, False, progress) if n else None
             greedy = greedy.first(len(examples)) if greedy is not None else None
             sampled = sampled.first(len(examples) * n) if sampled is not None else None
             sums = self._sums(eval_set, greedy, sampled, len(examples))
@@ -235,7 +239,7 @@ class Evaluator:
         metrics["time/eval_s"] = time.perf_counter() - started
         return metrics, rows
 
-    def _decode(self, model, tokenizer, eval_set: EvalSet, examples: list[Example], numbers: list[int], n: int,
+    def _decode(self, sample, tokenizer, eval_set: EvalSet, examples: list[Example], numbers: list[int], n: int,
                 greedy: bool, progress) -> Decoded:
         """n completions of each example (one when `greedy`), batch_size completions per `generate` call; sample j
         of the set's prompt i (`numbers`: each example's i) is seeded from (seed, set, j, i)."""
@@ -246,7 +250,7 @@ class Evaluator:
             seeds = None if greedy else torch.tensor(
                 [stream_seed(self.seed, f"{EVAL_SAMPLING}/{eval_set.name}/{j}", i)
                  for i in numbers[start : start + per_batch] for j in range(n)], dtype=torch.int64)
-            out = generate(model, tokenizer, eval_set.render.texts(chunk), self.max_new_tokens,
+            out = sample(tokenizer, eval_set.render.texts(chunk), self.max_new_tokens,
                            temperature=self.settings.temperature, top_p=self.settings.top_p, greedy=greedy,
                            share_prompts=n > 1, stop_token_ids=self.stop_token_ids,
                            add_special_tokens=eval_set.render.add_special_tokens, row_seeds=seeds)

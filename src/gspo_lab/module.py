@@ -416,7 +416,7 @@ class RLModule(RolloutCollection, L.LightningModule):
             metrics, rows = self.evaluator.run(
                 self.model, self.tokenizer, self.global_rank, self.trainer.world_size,
                 reduce_sum=lambda t: self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").cpu(),
-                keep=self.evaluator.settings.samples)
+                keep=self.evaluator.settings.samples, sampler=self.engine.eval_sampler())
         if rows and self.global_rank == 0:
             self.write_samples(step, rows)
         return metrics

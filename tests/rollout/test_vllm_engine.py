@@ -1,10 +1,19 @@
 """rollout.backend=vllm against vLLM's CPU build (make test-vllm): the engine's log-probs are the trainer's after
-every weight sync (dense and MoE), a stale engine is caught, the samples follow their seeds whatever the batching,
-and what vLLM cannot run here is refused before anything trains. Skipped where vLLM is not installed."""
+every weight sync (dense and MoE) and on every step of a run, a stale engine is caught, the samples follow their
+seeds whatever the batching, evaluation generates through it, two DDP ranks each run an engine, a run learns as
+on transformers, and what vLLM cannot run here is refused before anything trains. Skipped where vLLM is not
+installed."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
 
 import lightning as L
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from gspo_lab.rollout import token_logprobs
 from gspo_lab.rollout.generation import draw_row_seeds
@@ -94,7 +103,6 @@ def test_the_samples_follow_their_seeds_whatever_the_batching_and_the_engine(com
     (["rollout.engine.router_noise=0.1"], r"rollout.engine.\* simulates"),
     (["routing.replay=r3"], r"routing.replay=r3 with rollout.backend=vllm"),
     (["rollout.top_p=0.9"], r"rollout.top_p=0.9 with rollout.backend=vllm: vLLM's log-probs of a top-p sample"),
-    (["rollout.suppress_eos=true"], r"rollout.suppress_eos=true with rollout.backend=vllm"),
     (["model.config.head_dim=16"], r"the model's head size is 16, and vLLM's CPU attention kernels take multiples "
                                    r"of 32"),
     (["model=tiny_moe", "+model.config.architectures=[NotAModelForCausalLM]"], r"vLLM does not serve"),
@@ -103,3 +111,73 @@ def test_the_samples_follow_their_seeds_whatever_the_batching_and_the_engine(com
 def test_what_vllm_cannot_run_here_is_refused_before_anything_trains(overrides, message, compose, tmp_path):
     with pytest.raises(ConfigError, match=message):
         plan(compose(VLLM + overrides + [f"paths.output_dir={tmp_path}"]))
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_each_sample_from_an_engine_of_their_own(rl_overrides, tmp_path):
+    """Lightning's DDP on CPU, two gloo processes: each rank starts its own engine inside the trainer's process
+    group (vLLM's external_launcher) and keeps it in sync: the engine-trainer mismatch stays at rounding on every
+    step, and the ranks' parameters stay identical."""
+    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + VLLM
+    run_dir = tmp_path / "ddp"
+    result = subprocess.run(
+        [sys.executable, "-m", "gspo_lab.train", *overrides, "trainer=ddp", "trainer.devices=2", "train.steps=2",
+         "train.eval_every=2", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env={**os.environ, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "GLOBAL_RANK: 1" in result.stdout + result.stderr
+    with open(run_dir / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    steps = [row for row in rows if row.get("mismatch/kl")]
+    assert len(steps) == 2 and all(float(row["mismatch/seq_log_ratio_abs"]) <= ROUNDING for row in steps)
+    assert float(rows[-1]["params/rank_spread"]) == 0
+
+
+def test_evaluation_generates_through_the_engine_greedy_as_transformers_does(compose, rl_overrides):
+    """Training's evaluation (and gspo-eval) generate with the run's backend: vLLM's greedy completions of the
+    held-out prompts are transformers' (float32, the same weights: argmax ties aside)."""
+    _, module, _ = build(compose(rl_overrides + VLLM + ["task.eval_size=24"]))
+    try:
+        engine, engine_rows = module.evaluator.run(module.model, module.tokenizer, sampler=module.engine.eval_sampler())
+        hf, hf_rows = module.evaluator.run(module.model, module.tokenizer)
+    finally:
+        module.close()
+    assert module.engine.llm is None  # started for the evaluation, then closed
+    same = sum(e["completion"] == h["completion"] for e, h in zip(engine_rows, hf_rows))
+    assert len(engine_rows) == len(hf_rows) == 24 and same >= 22
+    assert abs(engine["eval/accuracy"] - hf["eval/accuracy"]) <= (24 - same) / 24
+
+
+def test_every_rl_step_samples_with_that_steps_weights(compose, rl_overrides):
+    """A run: each rollout's engine log-probs are the trainer's to float32 rounding (mismatch/*), so each step's
+    sync reached the engine after the previous step's updates (a fused AdamW step leaves no trace in the
+    parameters' version counters; the sync cannot rely on them)."""
+    run, module, _ = build(compose(rl_overrides + VLLM + ["train.steps=3", "train.eval_every=3"]))
+    run.trainer.fit(module)
+    rows = [row for row in module.history if "mismatch/kl" in row]
+    assert len(rows) == 3 and all(row["mismatch/seq_log_ratio_abs"] <= ROUNDING for row in rows)
+    assert module.engine.llm is None  # the module's teardown closed it
+
+
+@pytest.mark.slow
+def test_a_run_on_vllm_learns_the_default_task_as_one_on_transformers(cold_start_cache, tmp_path):
+    """The default experiment for 150 RL steps on seeds 0-2 with each backend, in one multirun process (each job
+    starts and closes its own engine): every vLLM run gains, and the backends' mean gains differ by less than
+    their seed noise (two standard errors of the difference)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "gspo_lab.train", "-m", "rollout.backend=hf,vllm", "seed=0,1,2", "train.steps=150",
+         "train.eval_every=150", "callbacks.progress.refresh_rate=0", f"paths.cache_dir={cold_start_cache}",
+         f"hydra.sweep.dir={tmp_path}", "hydra/launcher=basic"],
+        cwd=tmp_path, env={**os.environ, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=1800,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    gains = {"hf": [], "vllm": []}
+    for summary in sorted(tmp_path.rglob("summary.json")):  # the cache dir's slashes nest the job dirs
+        values = json.loads(summary.read_text())
+        backend = OmegaConf.load(summary.parent / "config.yaml").rollout.backend
+        gains[backend].append(values["eval/accuracy_after"] - values["eval/accuracy_before"])
+    assert len(gains["hf"]) == len(gains["vllm"]) == 3 and min(gains["vllm"]) > 0
+    hf, vllm = torch.tensor(gains["hf"]), torch.tensor(gains["vllm"])
+    noise = (hf.var() / 3 + vllm.var() / 3).sqrt()
+    assert (vllm.mean() - hf.mean()).abs() <= 2 * noise + 0.01, gains

@@ -403,7 +403,7 @@ def cut_at_stop(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, completion_i
     each row keeps its tokens up to and including its first stop token, then padding (mask 0); a row without one
     is truncated. Texts are decoded without the stop token and special tokens."""
     # a stop token, not the pad id (often the EOS itself): keep tokens up to and including the first one
-    is_eos = torch.isin(completion_ids, torch.tensor(stop, device=completion_ids.device))
+    is_eos = torch.isin(completion_ids, torch.tensor(stop, dtype=completion_ids.dtype, device=completion_ids.device))
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     if generated is not None:
         after_eos = after_eos | ~generated

@@ -63,9 +63,6 @@ def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: s
         raise ValueError(f"rollout.top_p={rollout.top_p} with rollout.backend=vllm: vLLM's log-probs of a top-p "
                          "sample are of the renormalised nucleus, not the log softmax(logits / T) the trainer computes; "
                          "use top_p=1 or rollout.backend=hf")
-    if rollout.suppress_eos:
-        raise ValueError("rollout.suppress_eos=true with rollout.backend=vllm: vLLM cannot forbid the stop tokens "
-                         "without changing the distribution its log-probs describe; use rollout.backend=hf")
     if sharded or lora:
         what = "trainer=fsdp" if sharded else "model.lora.enabled=true"
         raise ValueError(f"rollout.backend=vllm with {what} is not supported yet (full weights on each rank); use "
@@ -197,8 +194,8 @@ class VLLMEngine:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Push the trainer's current weights into the engine (started on the first call); reset its prefix
-        cache."""
+        """Push the trainer's current weights into the engine (started on the first call) and reset its prefix
+        cache. Always: a fused optimizer step changes the weights without bumping their version counters."""
         if self.llm is None:
             self.start()
         self.llm.collective_rpc(_reload, args=(checkpoint_weights(self.trainer_model),))
@@ -206,17 +203,39 @@ class VLLMEngine:
 
     def generate(self, tokenizer, prompts: list[str], rollout: RolloutConfig, row_seeds: Tensor,
                  add_special_tokens: bool, routing=None) -> tuple[Completions, None]:
-        """One completion per prompt, row n with seed `row_seeds[n]`, cut at the stop ids as `generate` cuts them
-        (`stop_ids`), with the engine's log-probs; no routing trace (vLLM returns no experts on CPU)."""
+        """One completion per prompt, row n with seed `row_seeds[n]`, with the engine's log-probs; no routing
+        trace (vLLM returns no experts on CPU)."""
+        return self.sample(tokenizer, prompts, rollout.max_new_tokens, temperature=rollout.temperature,
+                           top_p=rollout.top_p, suppress_eos=rollout.suppress_eos,
+                           stop_token_ids=rollout.stop_token_ids, add_special_tokens=add_special_tokens,
+                           row_seeds=row_seeds), None
+
+    def sample(self, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+               top_p: float = 1.0, greedy: bool = False, suppress_eos: bool = False, stop_token_ids=(),
+               add_special_tokens: bool = True, row_seeds: Tensor | None = None,
+               share_prompts: bool = True) -> Completions:
+        """`generate`'s contract (gspo_lab.rollout.generation) on vLLM, with the weights of the last `sync`: one
+        completion per prompt, row n seeded by `row_seeds[n]` (greedy: none), cut at the stop ids as `generate`
+        cuts them (`stop_ids`), with the engine's log-probs of the sampled tokens; each group's prompt is
+        prefilled once by the prefix cache whatever `share_prompts`. `suppress_eos` (benchmarks): every completion
+        runs to max_new_tokens; a stop token may be sampled, and does not stop it (hf never samples one), so the
+        distribution and its log-probs stay the trainer's."""
         from vllm import SamplingParams
 
-        stop = stop_ids(tokenizer, self.trainer_model, rollout.stop_token_ids)
+        stop = [] if suppress_eos else stop_ids(tokenizer, self.trainer_model, stop_token_ids)
         encoded = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]
-        params = [SamplingParams(n=1, temperature=rollout.temperature, top_p=rollout.top_p,
-                                 max_tokens=rollout.max_new_tokens, seed=seed, logprobs=0, stop_token_ids=stop,
-                                 ignore_eos=True, detokenize=False) for seed in row_seeds.tolist()]
+        seeds = [None] * len(prompts) if greedy else (row_seeds if row_seeds is not None else
+                                                        torch.randint(0, 2**62, (len(prompts),))).tolist()
+        params = [SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=top_p,
+                                 max_tokens=max_new_tokens, seed=seed, logprobs=0, stop_token_ids=stop,
+                                 ignore_eos=True, detokenize=False) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
-        return assemble(tokenizer, encoded, [o.outputs[0] for o in outputs], stop), None
+        return assemble(tokenizer, encoded, [o.outputs[0] for o in outputs], stop)
+
+    def eval_sampler(self):
+        """What an evaluation generates with: this engine, synced with the trainer's weights now."""
+        self.sync()
+        return self.sample
 
 
 def assemble(tokenizer, prompt_ids: list[list[int]], samples: list, stop: list[int]) -> Completions:
