@@ -99,7 +99,8 @@ def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, 
     try:
         trainer.fit(module)
         seconds = time.perf_counter() - started
-        step, acc = module.history[-1] if module.history else (trainer.global_step, module.evaluate(trainer.global_step))
+        last = module.history[-1] if module.history else None
+        step, acc = last or (trainer.global_step, module.evaluate(trainer.global_step))
     finally:
         if module.grader is not None:
             module.grader.close()

@@ -181,3 +181,25 @@ def test_a_run_on_vllm_learns_the_default_task_as_one_on_transformers(cold_start
     hf, vllm = torch.tensor(gains["hf"]), torch.tensor(gains["vllm"])
     noise = (hf.var() / 3 + vllm.var() / 3).sqrt()
     assert (vllm.mean() - hf.mean()).abs() <= 2 * noise + 0.01, gains
+
+
+def test_a_model_built_from_config_and_never_saved_is_served(compose, tiny, tmp_path):
+    """Without a cold start the model was never saved, so its config names no architecture, and vLLM guessed a
+    pooling runner (which wants a tokenizer: ValueError at start)."""
+    _, module, _ = build(compose(tiny + VLLM + ["sft.enabled=false", f"paths.output_dir={tmp_path}"]))
+    assert not module.model.config.architectures
+    try:
+        module.engine.sync()
+        assert engine_gap(module, torch.tensor([1, 2, 3, 4])) <= ROUNDING
+    finally:
+        module.close()
+
+
+def test_prompts_too_many_to_prefill_in_one_step_are_served(compose, tmp_path):
+    """experiment=bench_paper's 128 rows of about 115 prompt tokens exceed one scheduler step, so vLLM chunked
+    their prefill and rewound a seeded CPU generator to discard a partial row's token, which CPU generators cannot
+    (RuntimeError: CPU Generator does not use offset); on CPU each prompt is now prefilled whole."""
+    run, module, _ = build(compose(VLLM + ["experiment=bench_paper", "train.steps=1", "model.config.num_hidden_layers=2",
+                                           f"paths.output_dir={tmp_path}", "callbacks.progress.refresh_rate=0"]))
+    run.trainer.fit(module)
+    assert module.history[0]["rollout/completions"] == 128 and module.history[0]["mismatch/kl"] < 1e-9

@@ -151,3 +151,9 @@ def test_a_prompt_and_budget_beyond_the_models_positions_are_refused_before_trai
     assert "\n" not in str(refused.value) and not list(tmp_path.glob("cache/*/sft_info.json"))  # none trained
     build(compose(["task=rg_word_sorting", "rollout.max_new_tokens=80", "model.tokenizer=task_bpe",
                    "sft.enabled=false", f"paths.output_dir={tmp_path}"]))  # ~115-token prompts + 80 fit 256
+
+
+def test_only_verifiers_that_use_sympy_are_checked_in_killable_workers():
+    """sympy can run without end on model output; string checks cannot, and grade in the training process."""
+    assert not ReasoningGym(dataset="word_sorting").checker_may_hang
+    assert ReasoningGym(dataset="polynomial_equations").checker_may_hang

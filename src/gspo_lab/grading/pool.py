@@ -39,6 +39,7 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300  # a worker's imports before its first call
 STDERR_TAIL = 2000  # characters of a dead worker's stderr its error quotes
+LIVENESS_S = 0.5  # how often a wait looks whether the worker process still lives
 
 
 @dataclass(frozen=True)
@@ -109,11 +110,19 @@ class Worker:
         self.job: int | None = None  # the index of the call it runs
         self.started = 0.0
         # a call's timeout counts from its start, not from the worker's imports (torch, sympy: seconds)
-        ready = self.connection.poll(STARTUP_TIMEOUT_S) and self.receive() == "ready"
-        if not ready:
+        if not (self.answers_within(STARTUP_TIMEOUT_S) and self.receive() == "ready"):
             why = self.death() if self.process.poll() is not None else f"not ready within {STARTUP_TIMEOUT_S} s"
             self.kill()
             raise RuntimeError(f"a grading worker process did not start: {why}")
+
+    def answers_within(self, seconds: float) -> bool:
+        """Whether the worker sends something (or its socket closes) within `seconds`; False at once when the
+        process has ended, even while another process forked from this one still holds its socket open."""
+        deadline = time.monotonic() + seconds
+        while not self.connection.poll(min(LIVENESS_S, max(0.0, deadline - time.monotonic()))):
+            if self.process.poll() is not None or time.monotonic() >= deadline:
+                return False
+        return True
 
     def receive(self) -> Any:
         """The next message, or None where the worker is gone."""
@@ -171,22 +180,24 @@ class GradingPool:
         outcomes: list[Outcome | None] = [None] * len(calls)
         queue = deque(range(len(calls)))
         while queue or any(w.job is not None for w in self.workers):
-            for worker in self.workers:
-                while worker.job is None and queue:
-                    self._send(worker, queue.popleft(), calls, outcomes)
+            for k in range(len(self.workers)):
+                while self.workers[k].job is None and queue:
+                    self._send(k, queue.popleft(), calls, outcomes)
             busy = [w for w in self.workers if w.job is not None]
             if not busy:
                 continue
             deadline = min(w.started for w in busy) + self.timeout_s
-            ready = wait([w.connection for w in busy], timeout=max(0.0, deadline - time.monotonic()))
+            left = max(0.0, deadline - time.monotonic())
+            ready = wait([w.connection for w in busy], timeout=min(LIVENESS_S, left))
             for k, worker in enumerate(self.workers):
                 if worker.job is not None:
                     self._collect(k, worker, worker.connection in ready, calls, outcomes)
         return outcomes  # type: ignore[return-value]
 
-    def _send(self, worker: Worker, job: int, calls: list, outcomes: list) -> None:
-        """Send call `job` to `worker` with its function where the worker lacks it; a call that cannot be pickled
-        is an error outcome at once, and the worker stays free."""
+    def _send(self, k: int, job: int, calls: list, outcomes: list) -> None:
+        """Send call `job` to worker k with its function where the worker lacks it; a call that cannot be pickled
+        is an error outcome at once, and the worker stays free; a worker found dead is replaced."""
+        worker = self.workers[k]
         fn, args, kwargs = calls[job]
         key = id(fn)
         try:
@@ -195,7 +206,13 @@ class GradingPool:
             outcomes[job] = Outcome(failure="error", detail=f"could not be sent to a grading worker: {error!r}")
             return
         self.functions[key] = fn
-        worker.connection.send_bytes(message)
+        try:
+            worker.connection.send_bytes(message)
+        except OSError:  # it died since its last call
+            outcomes[job] = Outcome(failure="error", detail=worker.death())
+            worker.kill()
+            self.workers[k] = Worker()
+            return
         worker.job, worker.started = job, time.monotonic()
 
     def _collect(self, k: int, worker: Worker, ready: bool, calls: list, outcomes: list) -> None:
@@ -209,6 +226,9 @@ class GradingPool:
                 worker.job = None
                 return
             outcomes[worker.job] = Outcome(failure="error", detail=worker.death())  # it died mid-call
+        elif worker.process.poll() is not None and not worker.connection.poll(0):
+            # it died, and its socket stays open in a process forked from this one meanwhile: no EOF comes
+            outcomes[worker.job] = Outcome(failure="error", detail=worker.death())
         elif time.monotonic() - worker.started >= self.timeout_s:
             outcomes[worker.job] = Outcome(failure="timeout", detail=f"still running after {self.timeout_s} s")
         else:

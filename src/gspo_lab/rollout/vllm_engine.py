@@ -20,6 +20,7 @@ vLLM changes things in the process that hosts it: it sets torch to one thread an
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib.util
 import logging
@@ -173,13 +174,20 @@ class VLLMEngine:
         from vllm import LLM
 
         self.folder = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
-        self.trainer_model.config.save_pretrained(self.folder.name)
+        config = copy.deepcopy(self.trainer_model.config)
+        # a model built from config and never saved names no architecture, and vLLM would guess another runner
+        config.architectures = [type(self.trainer_model).__name__]
+        config.save_pretrained(self.folder.name)
         dtype = self.config.dtype or str(next(self.trainer_model.parameters()).dtype).removeprefix("torch.")
         self.owns_process_group = not torch.distributed.is_initialized()
         with host_state_kept():
             self.llm = LLM(
                 **ranks_own_engine(), model=self.folder.name, load_format="dummy", skip_tokenizer_init=True,
-                dtype=dtype, seed=0,
+                dtype=dtype, seed=0, runner="generate",
+                # a partly prefilled row's sampled token is discarded by rewinding its seeded generator, which
+                # CPU generators cannot do (RuntimeError: CPU Generator does not use offset): on CPU each prompt
+                # is prefilled whole
+                enable_chunked_prefill=next(self.trainer_model.parameters()).device.type != "cpu",
                 max_model_len=self.config.max_model_len, logprobs_mode="processed_logprobs",
                 generation_config="vllm", enforce_eager=self.config.enforce_eager,
                 gpu_memory_utilization=self.config.gpu_memory_utilization,
