@@ -73,7 +73,6 @@ class VLLMConfig:
         cpu_kv_cache_gb: GiB of KV cache on CPU (VLLM_CPU_KVCACHE_SPACE, unless already set).
         enforce_eager: no CUDA graphs (they take seconds to capture and memory to hold; a GPU run gains speed
             from false).
-        enable_sleep_mode: on a GPU, free the engine's memory while the trainer updates (not on CPU).
         enable_prefix_caching: a group's prompt is prefilled once and its keys and values reused.
     """
 
@@ -82,7 +81,6 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.3
     cpu_kv_cache_gb: int = 1
     enforce_eager: bool = True
-    enable_sleep_mode: bool = False
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -94,7 +92,7 @@ class VLLMConfig:
         _require(isinstance(utilisation, (int, float)) and 0 < utilisation <= 1, "rollout.vllm.gpu_memory_utilization",
                  utilisation, "must satisfy 0 < gpu_memory_utilization <= 1")
         _positive_int("rollout.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb)
-        for key in ("enforce_eager", "enable_sleep_mode", "enable_prefix_caching"):
+        for key in ("enforce_eager", "enable_prefix_caching"):
             _require(isinstance(getattr(self, key), bool), f"rollout.vllm.{key}", getattr(self, key),
                      "must be true or false")
 

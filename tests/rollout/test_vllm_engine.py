@@ -169,7 +169,7 @@ def test_a_run_on_vllm_learns_the_default_task_as_one_on_transformers(cold_start
         [sys.executable, "-m", "gspo_lab.train", "-m", "rollout.backend=hf,vllm", "seed=0,1,2", "train.steps=150",
          "train.eval_every=150", "callbacks.progress.refresh_rate=0", f"paths.cache_dir={cold_start_cache}",
          f"hydra.sweep.dir={tmp_path}", "hydra/launcher=basic"],
-        cwd=tmp_path, env={**os.environ, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=1800,
+        cwd=tmp_path, env={**os.environ, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=3600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     gains = {"hf": [], "vllm": []}

@@ -111,6 +111,10 @@ class Worker:
         self.started = 0.0
         # a call's timeout counts from its start, not from the worker's imports (torch, sympy: seconds)
         if not (self.answers_within(STARTUP_TIMEOUT_S) and self.receive() == "ready"):
+            try:  # a worker that closed its socket is ending: its exit code says more than the socket
+                self.process.wait(timeout=10 * LIVENESS_S)
+            except subprocess.TimeoutExpired:
+                pass
             why = self.death() if self.process.poll() is not None else f"not ready within {STARTUP_TIMEOUT_S} s"
             self.kill()
             raise RuntimeError(f"a grading worker process did not start: {why}")

@@ -191,7 +191,6 @@ class VLLMEngine:
                 max_model_len=self.config.max_model_len, logprobs_mode="processed_logprobs",
                 generation_config="vllm", enforce_eager=self.config.enforce_eager,
                 gpu_memory_utilization=self.config.gpu_memory_utilization,
-                enable_sleep_mode=self.config.enable_sleep_mode,
                 enable_prefix_caching=self.config.enable_prefix_caching,
             )
 
