@@ -86,12 +86,11 @@ def test_every_row_is_checked_and_a_row_without_an_answer_is_left_out(caplog):
     became the reference "None"."""
     rows = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(40)]
     rows[7] = {"question": "7+1="}
-    with pytest.raises(ValueError, match=r"the rows given split 'train', row 7: task.answer_column='answer' is not a "
-                                         r"column .*; its columns are \['question'\]|task.answer_column='answer' is "
-                                         r"not a column of the rows given split 'train', row 7; its columns are "
-                                         r"\['question'\]"):
+    with pytest.raises(ValueError, match=r"task.answer_column='answer' is not a column of the rows given split "
+                                         r"'train', row 7; its columns are \['question'\]"):
         HFDataset(rows=rows, prompt_column="question")
     rows[7] = {"question": "7+1=", "answer": None}
     task = HFDataset(rows=rows, prompt_column="question")
     assert len(task.records) == 39 and "None" not in {e.answer for e in task.records}
-    assert "1 of 40 rows of the rows given split 'train' have no answer (null in answer) and are left out" in caplog.text
+    left_out = "1 of 40 rows of the rows given split 'train' have no answer (null in answer) and are left out"
+    assert left_out in caplog.text
