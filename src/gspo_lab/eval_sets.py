@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from gspo_lab import CONFIG_DIR
 from gspo_lab.evaluation import HELDOUT, EvalSet, EvalSettings, Evaluator
 from gspo_lab.grading import GradingPool
-from gspo_lab.models.builders import fit_task
+from gspo_lab.models.builders import check_context, fit_task
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import WeightedRewards, build_rewards
 from gspo_lab.tasks.base import Task
@@ -58,13 +58,18 @@ class EvalPlan:
         workers, timeout_s = self.settings.grading_workers, self.settings.grading_timeout_s
         self.grader = GradingPool(workers, timeout_s) if hangs and workers else None
 
-    def fit(self, model, tokenizer, max_new_tokens: int) -> None:
+    def fit(self, model, tokenizer, max_new_tokens: int, fitted: tuple[Task, ...] = ()) -> None:
         """Every set's task made to fit the model (`fit_task`: task.max_prompt_tokens, then the context), as the
-        run's own task is before training: training and gspo-eval then hold out the same prompts."""
+        run's own task is before training: training and gspo-eval then hold out the same prompts. A task of
+        `fitted` (training's own, fitted with the rollout budget) has its context checked against an eval budget of
+        its own only, not its prompts dropped and checked again."""
         own = self.settings.max_new_tokens
         budget = {"eval.max_new_tokens": own} if own else {"rollout.max_new_tokens": max_new_tokens}
         for spec in self.specs:
-            fit_task(model, tokenizer, spec.task, budget, spec.prompt.bind(tokenizer))
+            if not any(spec.task is task for task in fitted):
+                fit_task(model, tokenizer, spec.task, budget, spec.prompt.bind(tokenizer))
+            elif own:
+                check_context(model, tokenizer, spec.task, budget, spec.prompt.bind(tokenizer))
 
     def evaluator(self, tokenizer, max_new_tokens: int, stop_token_ids, seed: int) -> Evaluator:
         sets = []

@@ -41,7 +41,7 @@ from gspo_lab.module import RLModule, TooManySkippedUpdates
 from gspo_lab.objectives.micro_batches import check_splittable
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
-from gspo_lab.rewards import build_rewards, math_accuracy
+from gspo_lab.rewards import build_rewards, math_accuracy, unwrapped
 from gspo_lab.rollout import vllm_engine
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.sharding import full_state_dict, is_sharded
@@ -148,10 +148,10 @@ def warn_latex_only_reward(rewards, task) -> bool:
     correct in evaluation. Warns (and returns True) where such a pair trains; latex_only=false makes them agree."""
     def reads_latex_only(fn) -> bool:
         settings = fn.keywords if isinstance(fn, functools.partial) else {}
-        return getattr(fn, "func", fn) is math_accuracy and settings.get("latex_only", True)
+        return unwrapped(fn) is math_accuracy and settings.get("latex_only", True)
 
     latex_only = [f.name for f in rewards.functions if reads_latex_only(f.fn)]
-    if not (latex_only and getattr(task, "match", None) == "math_verify" and isinstance(task, HFDataset)):
+    if not (latex_only and isinstance(task, HFDataset) and task.match == "math_verify"):
         return False
     log.warning("reward function %s reads LaTeX answers only (latex_only=true), while task=hf's checker, which scores "
                 "eval/accuracy, reads plain answers too (\"The answer is 42\"): training rewards less than evaluation "
@@ -221,7 +221,7 @@ def build(cfg: DictConfig) -> tuple[Plan, RLModule, dict]:
     run = plan(cfg)
     try:
         model, tokenizer, cold_start = policy_from_config(cfg, run.task)
-        run.evaluation.fit(model, tokenizer, run.rollout.max_new_tokens)
+        run.evaluation.fit(model, tokenizer, run.rollout.max_new_tokens, fitted=(run.task,))
         lora = apply_lora(model, run.model_source.lora, cfg.seed) if run.model_source.lora.enabled else None
     except (ContextTooLong, ValueError) as error:
         raise ConfigError(str(error)) from error

@@ -28,6 +28,7 @@ from gspo_lab.rewards.base import (
     WeightedRewards,
     check_signature,
     reward_name,
+    unwrapped,
 )
 from gspo_lab.rewards.functions import (
     TaskReward,
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "GradingPool", "RewardContractError", "RewardFunction", "Scores", "TaskReward", "WeightedRewards",
     "boxed_match", "build_rewards", "check_signature", "exact_match", "math_accuracy", "may_hang", "numeric_match",
-    "reward_name", "soft_overlong_punishment", "think_format",
+    "reward_name", "soft_overlong_punishment", "think_format", "unwrapped",
 ]
 
 
@@ -66,15 +67,16 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero") -> Weigh
     columns = None if task is None else task.columns()
     functions = [_function(dict(item), task, columns, f"reward.functions[{i}]") for i, item in enumerate(items)]
     num_workers, timeout_s = cfg.get("num_workers", 0), cfg.get("timeout_s", 10.0)
+    hanging = [f.name for f in functions if may_hang(f.fn)]
     if num_workers is None:  # auto: a worker where a function can hang, else grading in this process
-        num_workers = int(any(may_hang(f.fn) for f in functions))
+        num_workers = int(bool(hanging))
     if not (isinstance(num_workers, int) and num_workers >= 0):
         raise ValueError(f"reward.num_workers={num_workers!r} must be null or an integer >= 0 (0: grade in this "
                          "process; null: one worker where a function can hang)")
-    if num_workers == 0 and any(may_hang(f.fn) for f in functions):
+    if num_workers == 0 and hanging:
         log.warning("reward.num_workers=0 grades %s in the training process, where a call that never returns "
                     "(sympy on model output) cannot be stopped; null or >= 1 grades in killable workers",
-                    ", ".join(f.name for f in functions if may_hang(f.fn)))
+                    ", ".join(hanging))
     runner = GradingPool(num_workers, timeout_s) if num_workers else None
     return WeightedRewards(functions, runner, on_error)
 
@@ -82,9 +84,7 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero") -> Weigh
 def may_hang(fn) -> bool:
     """Whether a reward function says it can run without end on some model output (its `may_hang`, e.g.
     math_accuracy's, or a TaskReward's task's checker)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return bool(getattr(fn, "may_hang", False))
+    return bool(getattr(unwrapped(fn), "may_hang", False))
 
 
 def _function(item: dict, task, columns: list[str] | None, where: str) -> RewardFunction:
@@ -122,9 +122,10 @@ def _parameters(obj) -> dict[str, inspect.Parameter]:
 def _check_settings(obj, item: dict, target: str, where: str) -> None:
     """Each setting a function or class is given must be one of its named parameters: a misspelled one would
     vanish into **kwargs."""
-    named = [n for n, p in _parameters(obj).items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if not named and not _parameters(obj):
+    parameters = _parameters(obj)
+    if not parameters:  # no signature to check against
         return
+    named = [n for n, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     for key in item:
         if key not in named:
             raise ValueError(f"{where}.{key} is not a parameter of {target} (its parameters: {', '.join(named)}); "

@@ -41,14 +41,20 @@ class RewardContractError(RuntimeError):
     """A reward function returned something the contract does not allow (wrong length, NaN, a non-number)."""
 
 
+def unwrapped(fn: Callable) -> Callable:
+    """The function a partial (of a partial ...) wraps; any other callable as it is."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
 def reward_name(fn: Callable) -> str:
     """The name TRL gives a reward function: its `__name__`, a partial's wrapped function's, else its class's.
 
     >>> reward_name(functools.partial(reward_name)), reward_name(WeightedRewards([]))
     ('reward_name', 'WeightedRewards')
     """
-    while isinstance(fn, functools.partial):
-        fn = fn.func
+    fn = unwrapped(fn)
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
