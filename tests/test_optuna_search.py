@@ -213,14 +213,26 @@ def trial_states(db: Path) -> list[str]:
         return []
 
 
+def running_with_heartbeat(db: Path) -> int:
+    """How many RUNNING trials of the sqlite file have recorded a heartbeat; 0 before it has any."""
+    query = "SELECT COUNT(*) FROM trials JOIN trial_heartbeats USING (trial_id) WHERE state = 'RUNNING'"
+    try:
+        with closing(sqlite3.connect(db, timeout=10)) as connection:
+            return connection.execute(query).fetchone()[0]
+    except sqlite3.OperationalError:  # no file or no tables yet
+        return 0
+
+
 def kill_during_a_trial(args: list[str], db: Path, cwd: Path) -> list[str]:
-    """Starts gspo-train with `args` and kills it (SIGKILL) once a trial has completed and the next is running;
-    returns the trial states it left."""
+    """Starts gspo-train with `args` and kills it (SIGKILL) once a trial has completed and the next is running with
+    its first heartbeat recorded; returns the trial states it left. (A trial killed before its first heartbeat is
+    failed only once the resuming process has watched it for the grace period, which two tiny trials may not last:
+    test_a_trial_without_heartbeat_is_failed_once_this_process_has_waited_the_grace_period covers that case.)"""
     env = {**os.environ, "WANDB_MODE": "offline"}
     search = subprocess.Popen([sys.executable, "-m", "gspo_lab.train", *args], cwd=cwd, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 600
-    while not ((states := trial_states(db)).count("COMPLETE") >= 1 and "RUNNING" in states):
+    while not ((states := trial_states(db)).count("COMPLETE") >= 1 and running_with_heartbeat(db) == 1):
         assert search.poll() is None and time.monotonic() < deadline, f"the search ended first: {states}"
         time.sleep(0.02)
     os.killpg(search.pid, signal.SIGKILL)
