@@ -34,7 +34,8 @@ def sampled_round(tag: int, rewards: list[float], prompt_len: int, completion_le
     trace = RoutingTrace(tokens[None, :, :, None].to(torch.int16), torch.ones(rows, width, dtype=torch.bool), prompt_len)
     examples = [Example(f"p{tag}.{r // 2}", "a") for r in range(rows)]
     applies = torch.arange(rows) != 3  # row 3: no reward function applied
-    return SampledRound(examples, completions, torch.tensor(rewards), applies, trace)
+    components = torch.where(applies, 100.0 * tag + torch.arange(rows), torch.nan)[:, None]  # [N, 1] (tag, row)
+    return SampledRound(examples, completions, torch.tensor(rewards), applies, components, trace)
 
 
 def test_merge_keeps_informative_groups_in_sampling_order_and_repads_rows_and_experts():
@@ -47,6 +48,9 @@ def test_merge_keeps_informative_groups_in_sampling_order_and_repads_rows_and_ex
     assert merged.completions.texts == ["1.2", "1.3", "2.0", "2.1"]
     assert merged.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
     assert merged.applies.tolist() == [True, False, True, True]  # round 0's row 3 travels with its row
+    # each reward function's rewards too (the advantage=gdpo input), NaN where none applied
+    torch.testing.assert_close(merged.components, torch.tensor([[102.0], [torch.nan], [200.0], [201.0]]),
+                               equal_nan=True, rtol=0, atol=0)
     # round 1's rows 2, 3 gain one column of left padding and one of right padding
     assert merged.completions.prompt_ids.tolist() == [[PAD, 121, 122], [PAD, 131, 132], [201, 202, 203], [211, 212, 213]]
     assert merged.completions.prompt_mask.tolist() == [[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]]

@@ -94,6 +94,13 @@ class Scores:
     per_function: dict[str, Tensor]  # name -> [N] that function's rewards, NaN where it did not apply
     metrics: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def components(self) -> Tensor:
+        """[N, F] `per_function` as columns, in the functions' order (NaN where a function did not apply)."""
+        if not self.per_function:
+            return self.total.new_empty(len(self.total), 0)
+        return torch.stack(list(self.per_function.values()), -1)
+
 
 class WeightedRewards:
     """A list of weighted reward functions, each called once per completion (lists of length 1), so an error or
@@ -115,6 +122,11 @@ class WeightedRewards:
         self.on_error = on_error
         self.errors = {f.name: 0 for f in self.functions}
         self.timeouts = {f.name: 0 for f in self.functions}
+
+    @property
+    def weights(self) -> Tensor:
+        """[F] the functions' weights, in their order (the columns of `Scores.components`)."""
+        return torch.tensor([f.weight for f in self.functions], dtype=torch.float32)
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
               where: Callable[[int], str] = str) -> Scores:

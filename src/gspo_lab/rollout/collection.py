@@ -41,11 +41,15 @@ class RolloutCollection:
             trained = sample_metrics(sampled.rewards, sampled.completions, cfg.group_size)
             metrics.update({f"trained/{key}": value for key, value in trained.items()})
         completions, rewards, rollout_trace = sampled.completions, sampled.rewards, sampled.rollout_trace
-        # a completion no reward function applied to (all None) takes no part in the update
-        advantages = torch.where(sampled.applies, self.advantage(rewards, cfg.group_size), 0.0)
         loss_mask = completions.completion_mask
         if cfg.mask_truncated:
             loss_mask = loss_mask * (~completions.truncated)[:, None]
+        # what an estimator may need beside the totals; it names what it takes (`inputs`)
+        available = {"components": sampled.components, "weights": self.rewards.weights,
+                     "token_counts": loss_mask.sum(-1)}
+        inputs = {name: available[name] for name in getattr(self.advantage, "inputs", ())}
+        # a completion no reward function applied to (all None) takes no part in the update
+        advantages = torch.where(sampled.applies, self.advantage(rewards, cfg.group_size, **inputs), 0.0)
         input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)
         batch = RolloutBatch(
             input_ids=input_ids,
@@ -108,11 +112,11 @@ class RolloutCollection:
         # reward/<name>/* of the step's own prompts (round 0, as reward/*); the running error counts of every round
         metrics.update({k: v for k, v in scores.metrics.items()
                         if sampling_round == 0 or k.endswith(("errors", "timeouts"))})
-        rewards, applies = scores.total, scores.applies
+        rewards, applies, components = scores.total, scores.applies, scores.components
         if self.train_cfg.shuffle_rewards:  # negative control: rewards no longer belong to their completions
             order = torch.randperm(len(rewards))
-            rewards, applies = rewards[order], applies[order]
-        return SampledRound(grouped, completions, rewards, applies, trace)
+            rewards, applies, components = rewards[order], applies[order], components[order]
+        return SampledRound(grouped, completions, rewards, applies, components, trace)
 
     def resample_zero_std_groups(self, step: int, first: SampledRound, metrics: dict[str, float]) -> SampledRound:
         """DAPO's dynamic sampling (gspo_lab.rollout.dynamic_sampling): further rounds until the step has

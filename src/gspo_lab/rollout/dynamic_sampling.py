@@ -29,6 +29,7 @@ class SampledRound:
     completions: Completions
     rewards: Tensor  # [N]
     applies: Tensor  # [N] bool: some reward function applied (else the completion's advantage is 0)
+    components: Tensor  # [N, F] each reward function's rewards, NaN where it did not apply
     rollout_trace: RoutingTrace | None  # [layers, N, P + C, k] the engine's experts during generation, or None
 
 
@@ -74,6 +75,7 @@ def merge_rounds(rounds: list[SampledRound], group_size: int, needed: int, pad_i
         completions=Completions.cat(completions),
         rewards=torch.cat([r.rewards[index] for r, index in parts]),
         applies=torch.cat([r.applies[index] for r, index in parts]),
+        components=torch.cat([r.components[index] for r, index in parts]),
         rollout_trace=RoutingTrace.cat(traces) if traces else None,
     )
     unfilled = needed - int(informative_groups(merged.rewards, group_size).sum())
