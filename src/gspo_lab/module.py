@@ -42,7 +42,7 @@ from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
 from gspo_lab.eval_sets import EvalPlan, SetSpec
 from gspo_lab.evaluation import HELDOUT, EvalSettings, write_jsonl
 from gspo_lab.models.lora import LoraPolicy
-from gspo_lab.objectives import GroupAdvantage, NonFiniteLossError, Objective
+from gspo_lab.objectives import AdvantageEstimator, NonFiniteLossError, Objective
 from gspo_lab.objectives import micro_batches
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards
@@ -71,7 +71,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         model, tokenizer: the policy (a transformers causal LM) and its tokenizer.
         task: prompts and the reward function.
         objective: an `Objective` (GSPO, GSPOToken, GRPO, or one composed in conf/objective/*.yaml).
-        advantage: rewards [B] -> advantages [B], e.g. `GroupAdvantage`.
+        advantage: rewards [B] -> advantages [B], an `AdvantageEstimator` (the `advantage` config group).
         optimizer: a partial taking the parameters, e.g. `functools.partial(torch.optim.AdamW, lr=3e-5)`.
         rollout, train, routing: validated settings (gspo_lab.config).
         seed: the run's seed.
@@ -90,7 +90,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         tokenizer,
         task: Task,
         objective: Objective,
-        advantage: GroupAdvantage,
+        advantage: AdvantageEstimator,
         optimizer: Callable,
         rollout: RolloutConfig,
         train: TrainConfig,

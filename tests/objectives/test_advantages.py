@@ -1,9 +1,142 @@
-"""Group-relative advantages; expected values derived by hand."""
+"""Advantage estimators. `group`: expected values derived by hand. The others: each against its peer's code written
+out here, independently of gspo-lab's (loops over groups, as the peer runs them), on random rewards with several
+groups, an all-equal group and groups of 2:
+
+- RLOO, REINFORCE++-baseline, pass@k: volcengine/verl `verl/trainer/ppo/core_algos.py` at commit
+  b178a3cd56f58b2d502255daba591e92833930a7 (0.8.0.dev, 2026-01-29): `compute_rloo_outcome_advantage`,
+  `compute_reinforce_plus_plus_baseline_outcome_advantage`, `compute_grpo_passk_outcome_advantage`, with
+  `masked_mean`, `masked_var`, `masked_whiten` of `verl/utils/torch_functional.py` at the same commit.
+- GDPO: huggingface/trl `trl/trainer/grpo_trainer.py` at commit f2cd57710ae345ea6428ae95363267fcf38a3dc8
+  (v1.9.0-26, 1.10.0.dev), the `multi_objective_aggregation == "normalize_then_sum"` branch of
+  `_generate_and_score_completions`, with `nanstd` of `trl/trainer/utils.py` at the same commit.
+
+Then the rollout's plumbing: the components, weights and token counts an estimator names reach it from a real run.
+"""
+
+import math
+from collections import defaultdict
 
 import pytest
 import torch
 
-from gspo_lab.objectives import GroupAdvantage, frac_zero_std
+from gspo_lab.objectives import (GDPO, RLOO, GroupAdvantage, PassAtK, ReinforcePlusPlusBaseline,
+                                 frac_zero_std)
+from gspo_lab.train import build
+from tests.numerics import assert_rounding_close
+
+# --- the peers' code, written out --------------------------------------------------------------------------------
+
+
+def verl_rloo(scores: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """verl compute_rloo_outcome_advantage: r * n/(n-1) - mean * n/(n-1) per group; a group of one keeps r."""
+    scores = scores.clone()
+    id2score, id2mean = defaultdict(list), {}
+    for i in range(len(scores)):
+        id2score[index[i]].append(scores[i])
+    for idx in id2score:
+        id2mean[idx] = torch.mean(torch.stack(id2score[idx])) if len(id2score[idx]) > 1 else torch.tensor(0.0)
+    for i in range(len(scores)):
+        n = len(id2score[index[i]])
+        if n > 1:
+            scores[i] = scores[i] * n / (n - 1) - id2mean[index[i]] * n / (n - 1)
+    return scores
+
+
+def verl_masked_mean(values, mask):
+    return (torch.where(mask.bool(), values, 0.0) * mask).sum() / (mask.sum() + 1e-8)
+
+
+def verl_masked_var(values, mask):
+    variance = verl_masked_mean((values - verl_masked_mean(values, mask)) ** 2, mask)
+    mask_sum = mask.sum()
+    return variance * (mask_sum / (mask_sum - 1))  # unbiased=True; verl raises for a mask sum of 0 or 1
+
+
+def verl_masked_whiten(values, mask):
+    return (values - verl_masked_mean(values, mask)) * torch.rsqrt(verl_masked_var(values, mask) + 1e-8)
+
+
+def verl_reinforce_plus_plus_baseline(token_level_rewards, response_mask, index):
+    """verl compute_reinforce_plus_plus_baseline_outcome_advantage: the group's mean subtracted, tiled over the
+    response, whitened over the response tokens, masked; [bs, T]."""
+    response_length = token_level_rewards.shape[-1]
+    scores = token_level_rewards.sum(dim=-1)
+    id2score, id2mean = defaultdict(list), {}
+    for i in range(len(scores)):
+        id2score[index[i]].append(scores[i])
+    for idx in id2score:
+        id2mean[idx] = torch.mean(torch.stack(id2score[idx])) if len(id2score[idx]) > 1 else torch.tensor(0.0)
+    for i in range(len(scores)):
+        scores[i] = scores[i] - id2mean[index[i]]
+    scores = scores.unsqueeze(-1).tile([1, response_length]) * response_mask
+    return verl_masked_whiten(scores, response_mask) * response_mask
+
+
+def verl_grpo_passk(scores, index, norm_adv_by_std_in_grpo=True, epsilon=1e-6):
+    """verl compute_grpo_passk_outcome_advantage: only the group's argmax gets r_max - r_second (/ std + eps)."""
+    advantages = torch.zeros_like(scores)
+    id2scores, id2indices = defaultdict(list), defaultdict(list)
+    for i in range(len(scores)):
+        id2scores[index[i]].append(scores[i])
+        id2indices[index[i]].append(i)
+    for idx in id2scores:
+        rewards = torch.stack(id2scores[idx])
+        topk, topk_idx = torch.topk(rewards, 2)
+        advantage = topk[0] - topk[1]
+        if norm_adv_by_std_in_grpo:
+            advantage = advantage / (torch.std(rewards) + epsilon)
+        advantages[id2indices[idx][topk_idx[0].item()]] = advantage
+    return advantages
+
+
+def trl_nanstd(tensor, dim=None):
+    """trl.trainer.utils.nanstd (keepdim=True where a dim is given)."""
+    mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+    variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(tensor), dim=dim, keepdim=True)
+    correction = count / (count - 1)
+    correction = torch.where(count > 1, correction, torch.full_like(correction, float("nan")))
+    std = torch.sqrt(variance * correction)
+    return std if dim is not None else std.squeeze()
+
+
+def trl_normalize_then_sum(rewards_per_func, reward_weights, num_generations):
+    """TRL's multi_objective_aggregation="normalize_then_sum" (GDPO), from rewards_per_func [N, F] to advantages."""
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = trl_nanstd(grouped, dim=1) if num_generations > 1 else torch.zeros_like(mean_k)
+    reward_k = (grouped - mean_k) / (std_k + 1e-4)
+    reward_k = reward_k.view(-1, rewards_per_func.shape[1])
+    rewards = (reward_k * reward_weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    std_rewards = trl_nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    advantages = (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+# --- random rewards ----------------------------------------------------------------------------------------------
+
+
+def random_rewards(groups: int, group_size: int, seed: int, binary: bool) -> torch.Tensor:
+    """[groups * group_size] float64 rewards, 0/1 or continuous; group 0 all equal."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.rand(groups, group_size, generator=g, dtype=torch.float64)
+    rewards = (rewards > 0.5).double() if binary else 3 * rewards - 1
+    rewards[0] = rewards[0, 0]
+    return rewards.flatten()
+
+
+CASES = [(groups, group_size, seed, binary) for groups, group_size in ((5, 2), (4, 4), (3, 8))
+         for seed in (0, 1) for binary in (True, False)]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = torch.float64) -> None:
+    """Equal to `dtype`'s rounding, relative to the advantages' size (a few dozen operations each)."""
+    assert_rounding_close(actual, expected, scale=max(1.0, float(expected.abs().max())), units=64, dtype=dtype)
+
+
+# --- group (by hand) ---------------------------------------------------------------------------------------------
 
 
 def test_group_scale():
@@ -29,8 +162,167 @@ def test_equal_rewards_give_zero_advantage():
     assert frac_zero_std(rewards, 3).item() == pytest.approx(0.5)
 
 
+# --- the peers' estimators ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("groups, group_size, seed, binary", CASES)
+def test_rloo_is_verl_s(groups, group_size, seed, binary):
+    rewards = random_rewards(groups, group_size, seed, binary)
+    index = [i // group_size for i in range(len(rewards))]
+    adv = RLOO()(rewards, group_size)
+    close(adv, verl_rloo(rewards, index))
+    assert adv[:group_size].abs().max() < 1e-12  # the all-equal group: 0 up to the rounding of its mean
+    # the definition: r_i minus the mean of the other completions of its group
+    assert adv[group_size].item() == pytest.approx(
+        (rewards[group_size] - rewards[group_size + 1 : 2 * group_size].mean()).item(), abs=1e-12)
+
+
+@pytest.mark.parametrize("groups, group_size, seed, binary", CASES)
+def test_reinforce_plus_plus_baseline_is_verl_s_token_whitening(groups, group_size, seed, binary):
+    rewards = random_rewards(groups, group_size, seed, binary)
+    g = torch.Generator().manual_seed(100 + seed)
+    lengths = torch.randint(1, 9, (len(rewards),), generator=g)
+    lengths[1] = 0  # a completion with no token in the loss (rollout.mask_truncated)
+    T = 8
+    response_mask = (torch.arange(T) < lengths[:, None]).double()  # [N, T] right-padded
+    token_level = torch.zeros(len(rewards), T, dtype=torch.float64)
+    token_level[:, -1] = rewards  # verl sums the token-level rewards: where it sits does not matter
+    reference = verl_reinforce_plus_plus_baseline(token_level, response_mask, [i // group_size for i in
+                                                                                range(len(rewards))])
+    adv = ReinforcePlusPlusBaseline()(rewards, group_size, token_counts=lengths)
+    # each completion's advantage on each of its tokens; to float32's rounding (the dtype runs take), as verl adds
+    # 1e-8 to the mask sums of masked_mean: a 3e-10 relative change of 30 tokens' mean, visible in float64
+    close(adv[:, None] * response_mask, reference, torch.float32)
+    assert adv[1] == 0  # no tokens: 0, as verl's masked output
+    assert abs((adv * lengths).sum().item()) < 1e-9  # whitened over tokens: the token mean is 0
+
+
+def test_reinforce_plus_plus_baseline_without_trained_tokens_is_zero():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
+    assert (ReinforcePlusPlusBaseline()(rewards, 2, token_counts=torch.zeros(4)) == 0).all()
+    assert (ReinforcePlusPlusBaseline()(rewards, 2, token_counts=torch.tensor([0, 0, 1, 0])) == 0).all()
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+@pytest.mark.parametrize("groups, group_size, seed, binary", CASES)
+def test_passk_is_verl_s(groups, group_size, seed, binary, scale):
+    rewards = random_rewards(groups, group_size, seed, binary)
+    index = [i // group_size for i in range(len(rewards))]
+    adv = PassAtK(scale=scale)(rewards, group_size)
+    close(adv, verl_grpo_passk(rewards, index, norm_adv_by_std_in_grpo=scale == "group"))
+    assert (adv[:group_size] == 0).all()  # the all-equal group
+    assert ((adv != 0).reshape(groups, group_size).sum(-1) <= 1).all()  # at most the best of each group
+
+
+def test_passk_by_hand():
+    # (0, 1, 1): a tie for the best -> 0; (0, 0, 1): gap 1, Bessel std sqrt(1/3) -> sqrt(3) on the third only
+    adv = PassAtK(eps=1e-12)(torch.tensor([0.0, 1.0, 1.0, 0.0, 0.0, 1.0]), group_size=3)
+    assert adv.tolist() == pytest.approx([0, 0, 0, 0, 0, math.sqrt(3)])
+
+
+def gdpo_components(groups: int, group_size: int, seed: int) -> torch.Tensor:
+    """[N, 3] float64: a 0/1 accuracy, a continuous format score and a function that applies to some rows only
+    (NaN elsewhere); group 0 equal in every function, one row where no function applied."""
+    g = torch.Generator().manual_seed(seed)
+    n = groups * group_size
+    accuracy = (torch.rand(n, generator=g, dtype=torch.float64) > 0.5).double()
+    fmt = torch.rand(n, generator=g, dtype=torch.float64)
+    sparse = torch.where(torch.rand(n, generator=g) > 0.4, -torch.rand(n, generator=g, dtype=torch.float64), torch.nan)
+    components = torch.stack([accuracy, fmt, sparse], -1)
+    components[:group_size] = torch.tensor([1.0, 0.5, -0.25], dtype=torch.float64)
+    components[group_size + 1] = torch.nan
+    return components
+
+
+@pytest.mark.parametrize("groups, group_size, seed", [(g, n, s) for g, n in ((5, 2), (4, 4), (3, 8)) for s in (0, 1)])
+def test_gdpo_is_trl_s_normalize_then_sum(groups, group_size, seed):
+    components = gdpo_components(groups, group_size, seed)
+    weights = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    totals = (components * weights).nansum(-1)
+    adv = GDPO()(totals, group_size, components=components, weights=weights)
+    # to float32's rounding (the dtype runs take): TRL's nanstd takes Bessel's count / (count - 1) from integer
+    # counts, in the default dtype float32 (7e-9 relative from float64's)
+    close(adv, trl_normalize_then_sum(components, weights, group_size), torch.float32)
+    assert adv[group_size + 1] == 0  # no function applied
+    assert len(set(adv[:group_size].tolist())) == 1  # the all-equal group: one value (the batch mean moves it)
+    # the weights act after normalising: GRPO's total (weights before) would give other advantages
+    assert not torch.allclose(adv, GDPO()(totals, group_size, components=components * weights,
+                                          weights=torch.ones(3, dtype=torch.float64)))
+
+
+def test_gdpo_by_hand():
+    # one group of 4, two 0/1 functions weighted (3, 1): each column has mean 1/2 and Bessel std sqrt(1/3), so it
+    # normalises to ±h, h = sqrt(3)/2; sums s = 3 Â_1 + Â_2 = (2h, -2h, 4h, -4h), mean 0, Bessel std
+    # sqrt(40 h² / 3) = sqrt(10); A = s / sqrt(10) = (1, -1, 2, -2) x sqrt(0.3)
+    two = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    adv = GDPO(eps=0.0)(two.sum(-1), 4, components=two, weights=torch.tensor([3.0, 1.0]))
+    assert adv.tolist() == pytest.approx([k * math.sqrt(0.3) for k in (1, -1, 2, -2)], abs=1e-6)
+
+
+# --- refusals ----------------------------------------------------------------------------------------------------
+
+
 def test_errors_name_the_key_and_the_rule():
     with pytest.raises(ValueError, match=r"advantage\.scale='std'.*one of"):
         GroupAdvantage(scale="std")
     with pytest.raises(ValueError, match="group_size=3"):
         GroupAdvantage()(torch.zeros(4), 3)
+    with pytest.raises(ValueError, match=r"advantage\.scale='batch' must be one of \('group', 'none'\) for "
+                                         r"advantage=passk"):
+        PassAtK(scale="batch")
+    for estimator in (ReinforcePlusPlusBaseline, PassAtK):
+        with pytest.raises(ValueError, match=r"advantage\.eps=0\.0 must be > 0 .*divide 0 by 0"):
+            estimator(eps=0.0)
+    with pytest.raises(ValueError, match=r"advantage\.eps=-1\.0 must be >= 0 for advantage=gdpo"):
+        GDPO(eps=-1.0)
+
+
+@pytest.mark.parametrize("estimator, inputs", [
+    (RLOO(), {}), (PassAtK(), {}), (ReinforcePlusPlusBaseline(), {"token_counts": torch.ones(3)}),
+    (GDPO(), {"components": torch.zeros(3, 1), "weights": torch.ones(1)}),
+])
+def test_a_group_of_one_is_refused(estimator, inputs):
+    with pytest.raises(ValueError, match=r"group_size=1 is invalid for advantage=\w+: it needs at least 2"):
+        estimator(torch.zeros(3), 1, **inputs)
+
+
+def test_gdpo_refuses_components_that_are_not_one_column_per_function():
+    with pytest.raises(ValueError, match=r"advantage=gdpo: components of shape \(4, 2\) must be \[N, F\] = \[4, 3\]"):
+        GDPO()(torch.zeros(4), 2, components=torch.zeros(4, 2), weights=torch.ones(3))
+
+
+# --- the rollout's plumbing --------------------------------------------------------------------------------------
+
+
+class Recording:
+    """An estimator that takes every input the rollout offers, records them, and passes the wrapped one its own."""
+
+    inputs = ("components", "weights", "token_counts")
+
+    def __init__(self, estimator):
+        self.estimator, self.calls = estimator, []
+
+    def __call__(self, rewards, group_size, **inputs):
+        self.calls.append((rewards, inputs))
+        return self.estimator(rewards, group_size, **{k: inputs[k] for k in self.estimator.inputs})
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_each_reward_function_s_rewards_reach_the_estimator_with_their_completions(shuffled, compose, rl_overrides):
+    """Two reward functions (the checker, DAPO's overlong punishment), advantage=gdpo: the estimator gets their
+    rewards as columns whose weighted sum is the total it gets beside them, row by row, also when the
+    shuffled-reward control permutes the totals; and each completion's token count in the loss."""
+    cfg = compose(rl_overrides + ["advantage=gdpo", "reward=dapo_overlong", "reward.functions.1.weight=0.5",
+                                  "train.steps=1", f"train.shuffle_rewards={shuffled}"])
+    run, module, _ = build(cfg)
+    assert isinstance(module.advantage, GDPO)
+    module.advantage = Recording(module.advantage)
+    run.trainer.fit(module)
+    (rewards, inputs), = module.advantage.calls
+    components, weights, token_counts = inputs["components"], inputs["weights"], inputs["token_counts"]
+    assert components.shape == (16, 2) and weights.tolist() == [1.0, 0.5]
+    assert torch.equal((components * weights).nansum(-1), rewards)
+    assert set(components[:, 1].tolist()) <= {0.0, -1.0} and components[:, 0].unique().numel() > 1
+    first = module.history[0]
+    assert token_counts.sum().item() == pytest.approx(first["completion/len_mean"] * 16)
+    assert 0 < first["grad_norm"] < math.inf

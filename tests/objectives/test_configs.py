@@ -1,13 +1,21 @@
-"""The objective and advantage YAMLs instantiate through Hydra with the paper's values, and clip_scale
-scales the clip range."""
+"""The objective and advantage YAMLs instantiate through Hydra with the paper's values (the plan accepts every
+`advantage=<name>`), and clip_scale scales the clip range."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from hydra.utils import instantiate
 
-from gspo_lab.objectives import GRPO, GSPO, GroupAdvantage, GSPOToken
+from gspo_lab import CONFIG_DIR
+from gspo_lab.objectives import GDPO, GRPO, GSPO, RLOO, GroupAdvantage, GSPOToken, PassAtK, ReinforcePlusPlusBaseline
+from gspo_lab.train import ConfigError, plan
+
+# each `advantage=<name>` and its estimator with the peers' constants (objectives/advantages.py)
+ESTIMATORS = {"group": GroupAdvantage("group", 1e-6), "rloo": RLOO(),
+              "reinforce_plus_plus_baseline": ReinforcePlusPlusBaseline(eps=1e-8), "passk": PassAtK("group", 1e-6),
+              "gdpo": GDPO(eps=1e-4)}
 
 
 @pytest.mark.parametrize(
@@ -23,6 +31,26 @@ def test_objective_yaml_has_the_paper_clip_range(algorithm, cls, paper_clip, com
 
 def test_advantage_yaml_instantiates(base_cfg):
     assert instantiate(base_cfg.advantage) == GroupAdvantage("group", 1e-6)
+
+
+def test_the_advantage_options_are_the_tested_ones():
+    assert sorted(p.stem for p in (Path(CONFIG_DIR) / "advantage").glob("*.yaml")) == sorted(ESTIMATORS)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_each_advantage_option_is_accepted_by_the_plan(name, compose, tmp_path):
+    run = plan(compose([f"advantage={name}", f"paths.output_dir={tmp_path}"]))
+    assert run.advantage == ESTIMATORS[name]  # a dataclass: equal class and fields
+
+
+def test_dr_grpo_s_undivided_advantages_go_with_the_estimators_that_have_a_scale(compose, tmp_path):
+    """algorithm=dr_grpo sets advantage.scale=none: passk takes it (the gap undivided); an estimator without a
+    scale refuses it in the plan, and `~advantage.scale` drops it."""
+    out = f"paths.output_dir={tmp_path}"
+    assert plan(compose(["algorithm=dr_grpo", "advantage=passk", out])).advantage == PassAtK("none", 1e-6)
+    with pytest.raises(ConfigError, match=r"RLOO.__init__\(\) got an unexpected keyword argument 'scale'"):
+        plan(compose(["algorithm=dr_grpo", "advantage=rloo", out]))
+    assert plan(compose(["algorithm=dr_grpo", "advantage=rloo", "~advantage.scale", out])).advantage == RLOO()
 
 
 def test_dr_grpo_normaliser_is_the_generation_budget_whatever_the_batch_width(compose):

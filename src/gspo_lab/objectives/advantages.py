@@ -1,12 +1,44 @@
-"""Group-relative advantages: each completion's reward against the other completions of its prompt.
+"""Advantage estimators, the `advantage` config group: each completion's reward against the other completions of
+its prompt (its group of `group_size`, groups contiguous in the rollout batch).
 
-A_i = (r_i - mean(r_group)) / (std + eps), with the std taken over the group (GRPO, GSPO), over the whole
-rollout batch, or not at all (Dr. GRPO, arXiv 2503.20783).
+- `group` (GroupAdvantage, the default): A_i = (r_i - mean_g) / (std_g + eps), the std over the group (GRPO,
+  GSPO), over the batch, or none (Dr. GRPO, arXiv 2503.20783).
+- `rloo` (RLOO): A_i = r_i - mean of the other n - 1 completions (Ahmadian et al. 2024, arXiv 2402.14740).
+- `reinforce_plus_plus_baseline` (ReinforcePlusPlusBaseline): r_i - mean_g, whitened over the batch's tokens
+  (REINFORCE++, arXiv 2501.03262).
+- `passk` (PassAtK): only the group's best completion gets r_max - r_second (Tang et al. 2025, arXiv 2503.19595).
+- `gdpo` (GDPO): each reward function's rewards normalised within the group, then summed with the functions'
+  weights, then whitened over the batch (arXiv 2601.05242).
+
+An estimator is called `estimator(rewards, group_size, **inputs)`: rewards [N] are the weighted totals, and
+`inputs` holds the further tensors its class attribute `inputs` names, which the rollout passes
+(gspo_lab.rollout.collection): `components` [N, F] (each reward function's rewards, NaN where it did not apply),
+`weights` [F] (the functions' weights) and `token_counts` [N] (each completion's tokens in the loss).
+
+The formulas follow the peers' code (volcengine/verl `verl/trainer/ppo/core_algos.py` at b178a3cd, 0.8.0.dev;
+huggingface/trl `trl/trainer/grpo_trainer.py` at f2cd5771, 1.10.0.dev), each test writing the peer's code out
+(tests/objectives/test_advantages.py). Where they depart from the peer or its paper:
+
+- Statistics over "the batch" (REINFORCE++'s and GDPO's whitening, `group`'s scale=batch) are this rank's rollout
+  batch; verl takes the whole step's batch on its driver and TRL gathers every process's rewards first. With one
+  rank they agree. Group statistics agree always: ranks hold whole groups.
+- A group of one is refused (rollout.group_size >= 2 already); verl gives it its raw reward (RLOO, REINFORCE++).
+- REINFORCE++-baseline: verl's `masked_whiten` over the response tokens (mean and Bessel-corrected variance of the
+  token-level advantages, each completion weighted by its token count), which is the paper's normalisation over
+  the batch of the token-level A_{q,o_t}. Where fewer than two tokens are in the loss (every completion masked by
+  rollout.mask_truncated) there is nothing to whiten and the advantages are 0, where verl raises.
+- pass@k: verl's `grpo_passk`, whose Bessel-corrected group std divides the gap by default; `scale: none` leaves
+  the gap as the paper's leave-one-out max, max(r) - max(r without i).
+- GDPO: TRL's `multi_objective_aggregation="normalize_then_sum"` (eps 1e-4, Bessel-corrected stds, a function
+  that did not apply (NaN) left out of its group's statistics and of the sum). The paper's own TRL fork
+  (NVlabs/GDPO) first counts such a reward as 0; TRL is followed because gspo-lab's rewards keep "did not
+  apply" apart from 0 as TRL's do.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -16,8 +48,41 @@ from gspo_lab.tensors import as_groups, frac_zero_std, zero_std_groups  # noqa: 
 SCALES = ("group", "batch", "none")
 
 
+class AdvantageEstimator:
+    """The interface: rewards [N] (groups of `group_size` contiguous) and the `inputs` named -> advantages [N]."""
+
+    inputs: ClassVar[tuple[str, ...]] = ()  # the keywords the rollout passes: components, weights, token_counts
+
+    def __call__(self, rewards: Tensor, group_size: int, **inputs: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+def check_eps(name: str, eps: float, positive: bool = False) -> None:
+    """eps >= 0; > 0 where an all-equal group or batch would otherwise divide 0 by 0."""
+    if not (eps > 0 if positive else eps >= 0):
+        rule = "> 0 (an all-equal group or batch would divide 0 by 0)" if positive else ">= 0"
+        raise ValueError(f"advantage.eps={eps!r} must be {rule} for advantage={name}")
+
+
+def groups_of_two_or_more(rewards: Tensor, group_size: int, name: str) -> Tensor:
+    """Rewards [N] as [G, group_size]; the estimators whose baseline is the rest of the group need a rest."""
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size} is invalid for advantage={name}: it needs at least 2 completions "
+                         "per prompt (its baseline comes from the other completions of the group)")
+    return as_groups(rewards, group_size)
+
+
+def nanstd(values: Tensor, dim: int | None = None) -> Tensor:
+    """The Bessel-corrected std of the values that are not NaN (TRL's `nanstd`): NaN where fewer than two are."""
+    mean = values.nanmean() if dim is None else values.nanmean(dim, keepdim=True)
+    squares = (values - mean) ** 2
+    count = (~values.isnan()).sum() if dim is None else (~values.isnan()).sum(dim, keepdim=True)
+    total = squares.nansum() if dim is None else squares.nansum(dim, keepdim=True)
+    return torch.where(count > 1, total / (count - 1), torch.nan).sqrt()
+
+
 @dataclass(frozen=True)
-class GroupAdvantage:
+class GroupAdvantage(AdvantageEstimator):
     """Turns rewards [G * group_size] (groups contiguous) into advantages of the same shape.
 
     Args:
@@ -36,8 +101,7 @@ class GroupAdvantage:
     def __post_init__(self) -> None:
         if self.scale not in SCALES:
             raise ValueError(f"advantage.scale={self.scale!r} must be one of {SCALES}")
-        if not self.eps >= 0:
-            raise ValueError(f"advantage.eps={self.eps!r} must be >= 0")
+        check_eps("group", self.eps)
 
     def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
         groups = as_groups(rewards, group_size)  # [G, group_size]
@@ -47,3 +111,119 @@ class GroupAdvantage:
         elif self.scale == "batch":
             centred = centred / (rewards.std(unbiased=False) + self.eps)
         return centred.reshape(rewards.shape)
+
+
+@dataclass(frozen=True)
+class RLOO(AdvantageEstimator):
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740 eq. 5; verl
+    `compute_rloo_outcome_advantage`): A_i = r_i - (1/(n-1)) Σ_{j≠i} r_j = n/(n-1) (r_i - mean_g), undivided.
+
+    >>> RLOO()(torch.tensor([1.0, 0.0, 0.0, 3.0, 3.0, 3.0]), group_size=3).tolist()  # 1 - 0; 0 - 1/2; equal: 0
+    [1.0, -0.5, -0.5, 0.0, 0.0, 0.0]
+    """
+
+    def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
+        groups = groups_of_two_or_more(rewards, group_size, "rloo")  # [G, n]
+        others = (groups.sum(-1, keepdim=True) - groups) / (group_size - 1)  # [G, n] mean of the other n - 1
+        return (groups - others).reshape(rewards.shape)
+
+
+@dataclass(frozen=True)
+class ReinforcePlusPlusBaseline(AdvantageEstimator):
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262; verl `reinforce_plus_plus_baseline`): the group's
+    mean reward as baseline, a_i = r_i - mean_g, then the token-level advantages whitened over the batch, each
+    completion counted once per token in the loss (L_i = token_counts[i]; one with none gets 0, as in verl):
+
+        μ = Σ L_i a_i / Σ L_i,   σ² = Σ L_i (a_i - μ)² / (Σ L_i - 1),   A_i = (a_i - μ) / sqrt(σ² + eps)
+
+    >>> adv = ReinforcePlusPlusBaseline()(torch.tensor([1.0, 0.0, 0.0, 0.0]), 2, token_counts=torch.ones(4))
+    >>> [round(a, 4) for a in adv.tolist()]  # a = (0.5, -0.5, 0, 0): μ 0, σ² = 0.5 / 3
+    [1.2247, -1.2247, 0.0, 0.0]
+    """
+
+    inputs: ClassVar[tuple[str, ...]] = ("token_counts",)
+    eps: float = 1e-8  # added to the variance (verl's masked_whiten)
+
+    def __post_init__(self) -> None:
+        check_eps("reinforce_plus_plus_baseline", self.eps, positive=True)
+
+    def __call__(self, rewards: Tensor, group_size: int, *, token_counts: Tensor) -> Tensor:
+        groups = groups_of_two_or_more(rewards, group_size, "reinforce_plus_plus_baseline")  # [G, n]
+        centred = (groups - groups.mean(-1, keepdim=True)).reshape(rewards.shape)  # [N] a_i
+        weight = token_counts.to(centred.dtype)  # [N] L_i
+        tokens = weight.sum()
+        if tokens < 2:  # no token trains (or one): nothing to whiten
+            return torch.zeros_like(centred)
+        mean = (weight * centred).sum() / tokens  # μ over tokens
+        variance = (weight * (centred - mean) ** 2).sum() / (tokens - 1)  # σ², Bessel-corrected
+        return torch.where(weight > 0, (centred - mean) * torch.rsqrt(variance + self.eps), 0.0)  # none: 0
+
+
+@dataclass(frozen=True)
+class PassAtK(AdvantageEstimator):
+    """The pass@k advantage for k = group_size (Tang et al. 2025, arXiv 2503.19595; verl `grpo_passk`): the group's
+    best completion gets what it adds over the best of the rest, r_max - r_second (= max(r) - max(r without i));
+    every other completion gets 0. A tie for the best gives the whole group 0.
+
+    Args:
+        scale: "group" divides the gap by the group's Bessel-corrected std + eps (verl's default,
+            norm_adv_by_std_in_grpo), "none" does not.
+        eps: added to the std before dividing.
+
+    >>> PassAtK(scale="none")(torch.tensor([0.0, 1.0, 0.5, 1.0, 1.0, 0.0]), group_size=3).tolist()
+    [0.0, 0.5, 0.0, 0.0, 0.0, 0.0]
+    """
+
+    scale: str = "group"
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.scale not in ("group", "none"):
+            raise ValueError(f"advantage.scale={self.scale!r} must be one of ('group', 'none') for advantage=passk")
+        check_eps("passk", self.eps, positive=True)
+
+    def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
+        groups = groups_of_two_or_more(rewards, group_size, "passk")  # [G, n]
+        top = groups.topk(2, dim=-1)  # values, indices [G, 2]
+        gap = top.values[:, :1] - top.values[:, 1:]  # [G, 1] r_max - r_second
+        if self.scale == "group":
+            gap = gap / (groups.std(-1, keepdim=True) + self.eps)  # Bessel-corrected, as torch.std in verl
+        return torch.zeros_like(groups).scatter(-1, top.indices[:, :1], gap).reshape(rewards.shape)
+
+
+@dataclass(frozen=True)
+class GDPO(AdvantageEstimator):
+    """Group reward-Decoupled normalisation (Liu et al. 2026, arXiv 2601.05242; TRL
+    `multi_objective_aggregation="normalize_then_sum"`). Each reward function k is normalised within the group on
+    its own, the results summed with the functions' weights w_k, and the sums whitened over the batch:
+
+        Â_ik = (r_ik - mean_g(r_k)) / (std_g(r_k) + eps),   s_i = Σ_k w_k Â_ik,
+        A_i = (s_i - mean(s)) / (std(s) + eps)
+
+    The stds are Bessel-corrected; NaN (a function that did not apply) is left out of each mean, std and sum, and
+    a completion no function applied to takes no part in the batch's statistics and gets 0. The total reward
+    `rewards` is not used: weighting before normalising would cancel every weight's size.
+
+    >>> two = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])  # one group: two functions
+    >>> adv = GDPO(eps=0.0)(two.sum(-1), 4, components=two, weights=torch.ones(2))
+    >>> [round(a, 4) for a in adv.tolist()]  # Â_k = ±sqrt(3)/2; s = (0, 0, sqrt(3), -sqrt(3)), std sqrt(2)
+    [0.0, 0.0, 1.2247, -1.2247]
+    """
+
+    inputs: ClassVar[tuple[str, ...]] = ("components", "weights")
+    eps: float = 1e-4  # added to every std (TRL's)
+
+    def __post_init__(self) -> None:
+        check_eps("gdpo", self.eps)
+
+    def __call__(self, rewards: Tensor, group_size: int, *, components: Tensor, weights: Tensor) -> Tensor:
+        if components.shape != (len(rewards), len(weights)):
+            raise ValueError(f"advantage=gdpo: components of shape {tuple(components.shape)} must be [N, F] = "
+                             f"[{len(rewards)}, {len(weights)}] (one column per reward function)")
+        groups_of_two_or_more(rewards, group_size, "gdpo")
+        grouped = components.reshape(-1, group_size, components.shape[-1])  # [G, n, F]
+        normalised = (grouped - grouped.nanmean(1, keepdim=True)) / (nanstd(grouped, 1) + self.eps)  # Â [G, n, F]
+        summed = (normalised.reshape(components.shape) * weights.to(components.dtype)).nansum(-1)  # [N] s_i
+        summed = torch.where(components.isnan().all(-1), torch.nan, summed)  # no function applied: left out
+        whitened = (summed - summed.nanmean()) / (nanstd(summed) + self.eps)
+        return whitened.nan_to_num(0.0)
