@@ -44,9 +44,10 @@ class RolloutCollection:
         loss_mask = completions.completion_mask
         if cfg.mask_truncated:
             loss_mask = loss_mask * (~completions.truncated)[:, None]
-        # what an estimator may need beside the totals; it names what it takes (`inputs`)
+        # what an estimator may need beside the totals, on their device (the host: scores are computed there, the
+        # completions may be on the GPU); it names what it takes (`inputs`)
         available = {"components": sampled.components, "weights": self.rewards.weights,
-                     "token_counts": loss_mask.sum(-1)}
+                     "token_counts": loss_mask.sum(-1).to(rewards.device)}
         inputs = {name: available[name] for name in getattr(self.advantage, "inputs", ())}
         # a completion no reward function applied to (all None) takes no part in the update
         advantages = torch.where(sampled.applies, self.advantage(rewards, cfg.group_size, **inputs), 0.0)
