@@ -1,5 +1,6 @@
 """A mini-batch split into micro-batches gives the mini-batch's loss, gradient and metrics, for every objective of
-conf/objective, with the KL term and the rollout corrections (gspo_lab.objectives.micro_batches)."""
+conf/objective, with the KL term, the rollout corrections and the off-policy mask
+(gspo_lab.objectives.micro_batches)."""
 
 from __future__ import annotations
 
@@ -48,11 +49,17 @@ def accumulated(objective, inputs: dict, size: int | None):
     return logp.grad.clone(), combine(objective, parts)
 
 
-@pytest.mark.parametrize("correction", ["none", "tis_token", "mis_seq"])
+# the off-policy mask, the lower bound and the KL bias correction with them (is/ess is rebuilt, not averaged)
+KNOBS = ["objective.off_policy_mask_threshold=0.1", "objective.rollout_correction_min=0.5",
+         "objective.kl_bias_correction=true"]
+
+
+@pytest.mark.parametrize("knobs", [False, True], ids=["", "knobs"])
+@pytest.mark.parametrize("correction", ["none", "tis_token", "mis_seq", "mis_geo"])
 @pytest.mark.parametrize("name", OBJECTIVES)
-def test_micro_batches_give_the_mini_batchs_gradient_and_metrics(name, correction, compose):
+def test_micro_batches_give_the_mini_batchs_gradient_and_metrics(name, correction, knobs, compose):
     cfg = compose([f"objective={name}", "objective.beta=0.05", f"objective.rollout_correction={correction}",
-                   "rollout.logprobs_from_generation=false"])
+                   "rollout.logprobs_from_generation=false", *(KNOBS if knobs else [])])
     objective = instantiate(cfg.objective)
     inputs = batch()
     whole_grad, whole = accumulated(objective, inputs, None)

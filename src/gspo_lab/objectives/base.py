@@ -7,7 +7,7 @@ Hydra `_target_`s instead of a string registry):
     ratio        how the importance ratio of every token is built          (objectives/ratios.py)
     surrogate    the per-token loss term made from that ratio              (objectives/surrogates.py)
     aggregation  how the per-token terms become one scalar                 (objectives/aggregations.py)
-Masking, dtype promotion, the rollout correction, the KL penalty, the non-finite check and the metrics
+Masking, dtype promotion, the rollout corrections, the KL penalty, the non-finite check and the metrics
 that every objective shares live here, once.
 
 Shapes: B sequences, T completion positions.
@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from gspo_lab.objectives.rollout_correction import CORRECTIONS, correction_weights
+from gspo_lab.objectives.rollout_correction import CORRECTIONS, correction_weights, diagnostics, off_policy_mask
 from gspo_lab.tensors import k3, masked_mean  # noqa: F401 - re-exported: objectives import them from here
 
 
@@ -98,7 +98,7 @@ def check_positive(where: str, **values: float) -> None:
 
 class Objective:
     """An importance-weighted policy-gradient objective: ratio × surrogate × aggregation, plus an optional k3
-    KL penalty and an optional correction for the rollout engine's mismatch.
+    KL penalty, an optional correction for the rollout engine's mismatch and DeepSeek-V3.2's off-policy mask.
 
     Args:
         ratio: builds the per-token ratio from the batch (e.g. `ratios.SequenceRatio`).
@@ -108,8 +108,17 @@ class Objective:
         name: the objective's name in run labels and error messages (`dapo`).
         beta: coefficient of the k3 KL penalty to a reference policy; 0 needs no reference.
         rollout_correction: "none", or how each policy-loss term is weighted for the rollout engine's mismatch
-            to the trainer (gspo_lab.objectives.rollout_correction): tis_token, tis_seq, mis_token, mis_seq.
-        rollout_correction_cap: C, the cap of those weights (> 1).
+            to the trainer (gspo_lab.objectives.rollout_correction): tis_token, tis_seq, mis_token, mis_seq,
+            mis_geo. Any of them also logs the mismatch diagnostics is/ess, is/chi2_token, is/chi2_seq and
+            is/ppl_ratio.
+        rollout_correction_cap: C, the upper bound of those weights (> 1).
+        rollout_correction_min: C_min, their lower bound (0 < C_min < 1); None: none (mis_geo: 1 / C).
+        off_policy_mask_threshold: δ of DeepSeek-V3.2's off-policy sequence mask (> 0); None: off.
+        kl_bias_correction: multiply each token's k3 KL term by π_θ / π_old (DeepSeek-V3.2 eq. 8, TRL
+            `use_bias_correction_kl`), so the penalty is an unbiased estimate of KL(π_θ || π_ref) on samples
+            from π_old. The token ratio for every objective, as the paper: TRL multiplies by its ratio `coef_1`,
+            which for GSPO (importance_sampling_level="sequence") is the sequence ratio, not an importance weight
+            of the token whose KL it weights.
     """
 
     def __init__(
@@ -121,6 +130,9 @@ class Objective:
         beta: float = 0.0,
         rollout_correction: str = "none",
         rollout_correction_cap: float = 2.0,
+        rollout_correction_min: float | None = None,
+        off_policy_mask_threshold: float | None = None,
+        kl_bias_correction: bool = False,
     ) -> None:
         self.name = name
         if not beta >= 0:
@@ -130,9 +142,17 @@ class Objective:
                              f"{list(CORRECTIONS)}")
         if not rollout_correction_cap > 1:
             raise ValueError(f"{self.label}: objective.rollout_correction_cap={rollout_correction_cap!r} must be > 1")
+        if rollout_correction_min is not None and not 0 < rollout_correction_min < 1:
+            raise ValueError(f"{self.label}: objective.rollout_correction_min={rollout_correction_min!r} must be in "
+                             "(0, 1) or null")
+        if off_policy_mask_threshold is not None:
+            check_positive(f"{self.label}: objective", off_policy_mask_threshold=off_policy_mask_threshold)
         self.ratio, self.surrogate, self.aggregation = ratio, surrogate, aggregation
         self.beta = float(beta)
         self.rollout_correction, self.rollout_correction_cap = rollout_correction, float(rollout_correction_cap)
+        self.rollout_correction_min = None if rollout_correction_min is None else float(rollout_correction_min)
+        self.off_policy_mask_threshold = None if off_policy_mask_threshold is None else float(off_policy_mask_threshold)
+        self.kl_bias_correction = bool(kl_bias_correction)
 
     @property
     def label(self) -> str:
@@ -155,16 +175,7 @@ class Objective:
         batch = self._prepare(logp, old_logp, advantages, mask)
         ratio = self.ratio(batch)
         per_token, surrogate_metrics = self.surrogate(ratio.per_token, batch)  # [B, T]
-        metrics: dict[str, Tensor] = {}
-        if self.rollout_correction != "none":
-            if rollout_logp is None:
-                raise ValueError(f"{self.label}: objective.rollout_correction={self.rollout_correction!r} "
-                                 "needs rollout_logp (the engine's log-probs)")
-            engine = torch.where(batch.mask.bool(), rollout_logp.to(batch.logp.dtype), 0.0)
-            weights, is_metrics = correction_weights(batch.old_logp, engine, batch.mask, self.rollout_correction,
-                                                     self.rollout_correction_cap)
-            per_token = per_token * weights  # each term × sg[w]: the engine sampled, π_old is the trainer's
-            metrics.update(is_metrics)
+        per_token, metrics = self._corrected(per_token, batch, rollout_logp)
         policy_loss = self.aggregation(per_token, batch)
         loss = policy_loss
         metrics["loss/policy"] = policy_loss
@@ -173,6 +184,8 @@ class Objective:
                 raise ValueError(f"{self.label}: objective.beta={self.beta} > 0 needs ref_logp")
             ref = torch.where(batch.mask.bool(), ref_logp.to(batch.logp.dtype), 0.0)
             kl_ref = k3(ref, batch.logp)  # [B, T] k3 of KL(π_θ || π_ref), samples from π_θ
+            if self.kl_bias_correction:  # DeepSeek-V3.2 eq. 8: the samples are π_old's, so × π_θ / π_old (not sg)
+                kl_ref = kl_ref * torch.exp(batch.logp - batch.old_logp)
             kl_penalty = self.aggregation(kl_ref, batch)
             loss = loss + self.beta * kl_penalty
             metrics["kl/ref"] = kl_penalty
@@ -187,6 +200,30 @@ class Objective:
         metrics.update(self._metrics(batch, ratio))
         metrics["loss/total"] = loss
         return ObjectiveOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
+
+    def _corrected(self, per_token: Tensor, batch: MaskedBatch, rollout_logp: Tensor | None
+                   ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The policy terms [B, T] times the rollout correction's weights and the off-policy mask (each off
+        unless set), and their metrics. Both leave the normaliser as it is (TRL)."""
+        metrics: dict[str, Tensor] = {}
+        valid = batch.mask.bool()
+        engine = None if rollout_logp is None else torch.where(valid, rollout_logp.to(batch.logp.dtype), 0.0)
+        if self.rollout_correction != "none":
+            if engine is None:
+                raise ValueError(f"{self.label}: objective.rollout_correction={self.rollout_correction!r} "
+                                 "needs rollout_logp (the engine's log-probs)")
+            weights, is_metrics = correction_weights(batch.old_logp, engine, batch.mask, self.rollout_correction,
+                                                     self.rollout_correction_cap, self.rollout_correction_min)
+            per_token = per_token * weights  # each term × sg[w]: the engine sampled, π_old is the trainer's
+            metrics.update(is_metrics)
+            metrics.update(diagnostics(batch.old_logp, engine, batch.mask, weights))
+        if self.off_policy_mask_threshold is not None:
+            behaviour = batch.old_logp if engine is None else engine  # the paper's π_old is the engine's (TRL)
+            keep, mask_metrics = off_policy_mask(batch.logp, behaviour, batch.advantages, batch.mask,
+                                                 self.off_policy_mask_threshold)
+            per_token = per_token * keep
+            metrics.update(mask_metrics)
+        return per_token, metrics
 
     def _prepare(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> MaskedBatch:
         if logp.dim() != 2 or logp.shape != old_logp.shape or logp.shape != mask.shape:

@@ -5,6 +5,8 @@ it changes how logp is computed (see gspo_lab.routing), so `algorithm=grpo_rr` u
 
 from __future__ import annotations
 
+from typing import Any
+
 from gspo_lab.objectives.aggregations import ConstantNormaliser, SeqMeanTokenMean
 from gspo_lab.objectives.base import Objective
 from gspo_lab.objectives.ratios import TokenRatio, check_log_ratio_clamp
@@ -24,7 +26,7 @@ class GRPO(Objective):
         max_len: the constant T of that normaliser, normally the generation budget; None uses the mask's
             width (then extra padded columns change the loss).
         log_ratio_clamp: clamp log w to [-c, c] before exp(); None (default) keeps it exact.
-        beta, rollout_correction(_cap): see `Objective`.
+        **shared: the keys every objective has (beta, rollout_correction, ...): see `Objective`.
     """
 
     name = "grpo"
@@ -35,10 +37,8 @@ class GRPO(Objective):
         clip_high: float = 0.27,
         length_norm: bool = True,
         max_len: int | None = None,
-        beta: float = 0.0,
         log_ratio_clamp: float | None = None,
-        rollout_correction: str = "none",
-        rollout_correction_cap: float = 2.0,
+        **shared: Any,
     ) -> None:
         check_clip_range("GRPO: objective", clip_low, clip_high)
         check_log_ratio_clamp("GRPO: objective", log_ratio_clamp)
@@ -46,6 +46,6 @@ class GRPO(Objective):
             raise ValueError(f"GRPO: objective.max_len={max_len!r} must be >= 1 or null")
         aggregation = SeqMeanTokenMean() if length_norm else ConstantNormaliser(max_len)
         super().__init__(TokenRatio(log_ratio_clamp), ClippedMin(float(clip_low), float(clip_high)), aggregation,
-                         self.name, beta, rollout_correction, rollout_correction_cap)
+                         self.name, **shared)
         self.clip_low, self.clip_high = float(clip_low), float(clip_high)
         self.length_norm, self.max_len, self.log_ratio_clamp = bool(length_norm), max_len, log_ratio_clamp

@@ -10,6 +10,8 @@ per-token advantages.
 
 from __future__ import annotations
 
+from typing import Any
+
 from gspo_lab.objectives.aggregations import SeqMeanTokenMean
 from gspo_lab.objectives.base import Objective
 from gspo_lab.objectives.ratios import SequenceRatio, SequenceTokenRatio, check_log_ratio_clamp
@@ -27,7 +29,7 @@ class GSPO(Objective):
         length_norm: True (the paper) raises the sequence likelihood ratio to 1/|y_i|; False keeps the raw
             ratio, the length-normalisation ablation.
         log_ratio_clamp: clamp log s_i to [-c, c] before exp(); None (default) keeps it exact.
-        beta, rollout_correction(_cap): see `Objective`.
+        **shared: the keys every objective has (beta, rollout_correction, ...): see `Objective`.
     """
 
     name = "gspo"
@@ -38,17 +40,15 @@ class GSPO(Objective):
         clip_low: float = 3e-4,
         clip_high: float = 4e-4,
         length_norm: bool = True,
-        beta: float = 0.0,
         log_ratio_clamp: float | None = None,
-        rollout_correction: str = "none",
-        rollout_correction_cap: float = 2.0,
+        **shared: Any,
     ) -> None:
         prefix = f"{type(self).__name__}: objective"
         check_clip_range(prefix, clip_low, clip_high)
         check_log_ratio_clamp(prefix, log_ratio_clamp)
         ratio = self.sequence_ratio(bool(length_norm), log_ratio_clamp)
-        super().__init__(ratio, ClippedMin(float(clip_low), float(clip_high)), SeqMeanTokenMean(), self.name, beta,
-                         rollout_correction, rollout_correction_cap)
+        super().__init__(ratio, ClippedMin(float(clip_low), float(clip_high)), SeqMeanTokenMean(), self.name,
+                         **shared)
         self.clip_low, self.clip_high = float(clip_low), float(clip_high)
         self.length_norm, self.log_ratio_clamp = bool(length_norm), log_ratio_clamp
 

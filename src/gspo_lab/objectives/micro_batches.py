@@ -7,7 +7,8 @@ accumulated from (D_m / D) loss_m are the mini-batch's gradient: exactly, up to 
 micro-batch by its own count instead (the classic bug) weighs a short micro-batch's tokens more.
 
 Metrics combine by what they are: a token mean weighted by the micro-batches' valid tokens, a sequence mean
-by their valid rows, a loss by D_m / D, a count by summing, */max and */min by max and min.
+by their valid rows, a loss by D_m / D, a count by summing, */max and */min by max and min; is/ess, a ratio of
+token means, is rebuilt from the combined means.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-ROW_MEANS = ("clip/seq_frac", "ratio/seq/mean")  # means over valid rows (objectives.base)
+from gspo_lab.objectives.rollout_correction import SEQUENCE_CORRECTIONS
+
+# means over valid rows (objectives.base, objectives.rollout_correction)
+ROW_MEANS = ("clip/seq_frac", "ratio/seq/mean", "is/chi2_seq", "is/ppl_ratio", "off_policy/masked_frac")
 SUMS = ("mask/empty_rows", "mask/valid_tokens")
 AGGREGATED = ("loss/policy", "loss/total", "kl/ref")  # aggregated like the loss: weight D_m / D
 
@@ -48,7 +52,7 @@ def metric_kind(objective, key: str) -> str:
         return "sum"
     if key in AGGREGATED:
         return "aggregated"
-    sequence_correction = getattr(objective, "rollout_correction", "none").endswith("_seq")
+    sequence_correction = getattr(objective, "rollout_correction", "none") in SEQUENCE_CORRECTIONS
     if key in ROW_MEANS or (sequence_correction and key in ("is/capped_frac", "is/masked_frac")):
         return "rows"  # a sequence-level correction counts each sequence once
     return "tokens"
@@ -74,7 +78,18 @@ def combine(objective, parts: list[tuple[dict[str, float], float, float, float]]
             weights = [v[1] if kind == "tokens" else v[2] for v in values]
             total = sum(weights)
             combined[key] = sum(v[0] * w for v, w in zip(values, weights)) / total if total else values[0][0]
+    if "is/ess" in combined:
+        combined["is/ess"] = effective_sample_size(parts, combined["is/weight_mean"])
     return combined
+
+
+def effective_sample_size(parts: list[tuple[dict[str, float], float, float, float]], weight_mean: float) -> float:
+    """The mini-batch's is/ess = m1² / m2 (m1, m2: token means of the weights and of their squares) from the micro-
+    batches': each one's m2 is m1_m² / ess_m (0 where all its weights are 0), then m2 is their token mean."""
+    tokens = sum(part[1] for part in parts)
+    square_sum = sum(metrics["is/weight_mean"] ** 2 / metrics["is/ess"] * count
+                     for metrics, count, _, _ in parts if metrics["is/ess"] > 0)
+    return weight_mean**2 / (square_sum / tokens) if square_sum > 0 else 0.0
 
 
 def micro_slices(rows: int, size: int | None) -> list[slice]:
