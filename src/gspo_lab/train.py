@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import os
@@ -90,6 +91,7 @@ class Plan:
 def plan(cfg: DictConfig) -> Plan:
     """Validate the config by instantiating its light parts; raises ConfigError with key, value and rule."""
     try:
+        check_advantage_settings(cfg.advantage)
         parts = {k: instantiate(cfg[k]) for k in ("rollout", "train", "routing", "task", "objective", "advantage",
                                                    "optimizer")}
         model_source = instantiate(cfg.model)  # the model source checks its own settings; weights load later
@@ -117,6 +119,24 @@ def plan(cfg: DictConfig) -> Plan:
     run_dir = Path(cfg.paths.output_dir)
     return Plan(run_dir, trainer, loggers, callbacks, model_source=model_source,
                 ckpt_path=resolve_checkpoint(cfg.get("ckpt_path"), run_dir), **parts)
+
+
+def check_advantage_settings(advantage: DictConfig) -> None:
+    """Every key of `advantage` is a setting of its estimator: an algorithm's setting for another estimator
+    (algorithm=dr_grpo's advantage.scale=none) combined with advantage=rloo would otherwise end in a TypeError that
+    names neither."""
+    target = hydra.utils.get_class(advantage._target_)
+    parameters = inspect.signature(target).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    for key in advantage:
+        if key != "_target_" and key not in parameters:
+            raise ValueError(
+                f"advantage.{key}={advantage[key]!r} is not a setting of {target.__name__} "
+                f"(advantage._target_={advantage._target_}), whose settings are {sorted(parameters)}: an algorithm "
+                f"(algorithm=dr_grpo sets advantage.scale) or an override set it for another estimator; drop it "
+                f"with ~advantage.{key}"
+            )
 
 
 def check_precision(trainer: L.Trainer) -> None:
