@@ -62,19 +62,58 @@ def head_transform(model: PreTrainedModel) -> Callable[[Tensor], Tensor]:
     return transform
 
 
-def _chunk_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, transform, temperature: float):
-    """hidden [R, C, H], targets [R, C] -> log p(target) [R, C] and entropy [R, C] (no gradient). At most two
-    [R, C, V] tensors alive in the forward (the logits are freed once the log-softmax is taken, the entropy's
-    p log p is formed in place) and three in the backward (the log-softmax and two gradients)."""
+def _chunk_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, transform, temperature: float,
+                    entropy_grad: bool = False):
+    """hidden [R, C, H], targets [R, C] -> log p(target) [R, C] and entropy [R, C] (with a gradient only under
+    `entropy_grad`, through `LogProbEntropy`). At most two [R, C, V] tensors alive in the forward (the logits are
+    freed once the log-softmax is taken, the entropy's p log p is formed in place) and three in the backward (the
+    log-softmax and two gradients); with `entropy_grad`, two and a block in either (`LogProbEntropy`)."""
     logits = transform(head(hidden)).float()  # [R, C, V]: the model's logits
     if temperature != 1:  # generation's warper; x / 1 is x, so skipping it changes no value
         logits = logits / temperature
+    if entropy_grad:
+        return LogProbEntropy.apply(logits, targets)
     log_probs = logits.log_softmax(-1)  # [R, C, V], the very op a full log-softmax and generation use
     del logits
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [R, C] log p(target)
     with torch.no_grad():
         entropy = -log_probs.exp().mul_(log_probs).sum(-1)  # H = -sum_v p log p
     return logp, entropy
+
+
+ENTROPY_ROWS = 128  # positions per block of p in LogProbEntropy (TRL's entropy_from_logits chunk_size)
+
+
+class LogProbEntropy(torch.autograd.Function):
+    """logits [R, C, V], targets [R, C] -> log p(target) [R, C] and the entropy H = -sum_v p_v log p_v [R, C], both
+    differentiable (the entropy bonus, objective.entropy_coef), keeping one [R, C, V] tensor for the backward, the
+    log-softmax (autograd of -(p * log p).sum(-1) would keep p too). p is formed ENTROPY_ROWS positions at a time,
+    so the forward holds the logits, the log-softmax and one block, the backward the log-softmax, one gradient and
+    one block. With z the logits, g and h the gradients of log p(y) and of H:
+        d log p(y) / dz_v = [v = y] - p_v,    dH / dz_v = -p_v (log p_v + H),
+        dL / dz_v = g [v = y] - p_v (g + h (log p_v + H)).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        log_probs = logits.log_softmax(-1)  # [R, C, V], as the no-grad path
+        logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [R, C]
+        flat = log_probs.view(-1, log_probs.shape[-1])  # [R C, V]
+        entropy = torch.cat([-block.exp().mul_(block).sum(-1) for block in flat.split(ENTROPY_ROWS)])  # [R C]
+        entropy = entropy.view(logp.shape)  # [R, C]
+        ctx.save_for_backward(log_probs, targets, entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor) -> tuple[Tensor, None]:
+        log_probs, targets, entropy = ctx.saved_tensors
+        grad = log_probs + entropy.unsqueeze(-1)  # log p_v + H  [R, C, V]
+        grad.mul_(grad_entropy.unsqueeze(-1)).add_(grad_logp.unsqueeze(-1))  # g + h (log p_v + H)
+        flat = log_probs.view(-1, log_probs.shape[-1])
+        for block, out in zip(flat.split(ENTROPY_ROWS), grad.view_as(flat).split(ENTROPY_ROWS)):
+            out.mul_(block.exp()).neg_()  # -p_v (g + h (log p_v + H))
+        grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))  # + g [v = y]
+        return grad, None
 
 
 def is_checkpointed(model: torch.nn.Module) -> bool:
@@ -144,13 +183,14 @@ def token_logprobs(
     chunk_rows: int = 32,
     share_prompts: bool = False,
     chunk_tokens: int | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """log π(y_t | x, y_<t) and the policy entropy at each of the last `completion_len` positions: log_softmax of
     the model's own logits / temperature, in whatever mode the model is in (RLModule keeps it in eval mode).
 
     input_ids, attention_mask: [B, P + C]; returns two [B, C] tensors (log-probs carry the gradient when
-    grad is enabled; entropy is detached). `share_prompts`: run each distinct prompt once
-    (`shared_prompt_hidden`); routing recorders still get every row's experts, and replay gives each prompt the
+    grad is enabled; the entropy only with `entropy_grad`, for the entropy bonus, else it is detached).
+    `share_prompts`: run each distinct prompt once (`shared_prompt_hidden`); routing recorders still get every row's experts, and replay gives each prompt the
     experts of its first row (the caller checks that its rows agree); ignored for a model with activation
     checkpointing (a block recomputed with a KV cache would append to it twice). `chunk_tokens` bounds the
     (row, token) positions of one chunk's logits (None: whole rows); a chunk that fits in it is the one a
@@ -179,7 +219,8 @@ def token_logprobs(
         width = completion_len if chunk_tokens is None else max(1, chunk_tokens // len(y))  # columns per chunk
         row_logps, row_entropies = [], []
         for column in range(0, completion_len, width):
-            piece = (h[:, column : column + width], y[:, column : column + width], head, transform, temperature)
+            piece = (h[:, column : column + width], y[:, column : column + width], head, transform, temperature,
+                     entropy_grad)
             if torch.is_grad_enabled():
                 logp, entropy = checkpoint(_chunk_logprobs, *piece, use_reentrant=False)
             else:
@@ -188,7 +229,8 @@ def token_logprobs(
             row_entropies.append(entropy)
         logps.append(torch.cat(row_logps, 1) if len(row_logps) > 1 else row_logps[0])
         entropies.append(torch.cat(row_entropies, 1) if len(row_entropies) > 1 else row_entropies[0])
-    return torch.cat(logps), torch.cat(entropies).detach()
+    entropy = torch.cat(entropies)
+    return torch.cat(logps), entropy if entropy_grad else entropy.detach()
 
 
 def check_logprobs_match(model: PreTrainedModel) -> None:
