@@ -44,6 +44,7 @@ from gspo_lab.evaluation import HELDOUT, EvalSettings, write_jsonl
 from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.objectives import AdvantageEstimator, NonFiniteLossError, Objective
 from gspo_lab.objectives import micro_batches
+from gspo_lab.objectives.entropy import EntropyCoefficient
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards
 from gspo_lab.rollout import PromptSchedule, RolloutBatch, StepTicks, token_logprobs
@@ -123,6 +124,8 @@ class RLModule(RolloutCollection, L.LightningModule):
         self.rl_step = 0  # RL steps completed; saved in checkpoints
         self.history: list[dict[str, float]] = []  # every logged row (rank 0's view), saved in checkpoints
         self.consecutive_skips = 0
+        # the entropy bonus's coefficient (objective.entropy_coef; adaptive with objective.entropy_target); saved
+        self.entropy_control = EntropyCoefficient.of(objective)
         self.rewards = rewards or WeightedRewards([RewardFunction(TaskReward(task))], on_error=train.on_reward_error)
 
     # ---- Lightning plumbing -------------------------------------------------------------------------------
@@ -169,6 +172,7 @@ class RLModule(RolloutCollection, L.LightningModule):
         checkpoint["rl_step"] = self.rl_step
         checkpoint["history"] = self.history
         checkpoint["consecutive_skips"] = self.consecutive_skips
+        checkpoint["entropy_control"] = self.entropy_control.state_dict()
         checkpoint["rewards"] = self.reward_counts_of_all_ranks()  # running counts of reward errors and timeouts
         if self.lora is not None:  # the adapters only: the base weights come from the model source on resume
             self.lora.save_checkpoint(checkpoint, prefix="model.")
@@ -180,6 +184,8 @@ class RLModule(RolloutCollection, L.LightningModule):
         self.rl_step = checkpoint["rl_step"]
         self.history = [row for row in checkpoint["history"] if row["step"] < self.rl_step]
         self.consecutive_skips = checkpoint["consecutive_skips"]
+        if "entropy_control" in checkpoint:  # absent from checkpoints written before entropy control
+            self.entropy_control.load_state_dict(checkpoint["entropy_control"])
         counts = checkpoint if self.global_rank == 0 else {}  # all ranks' together: rank 0 carries them on
         if "rewards" in counts:
             self.rewards.load_state_dict(counts["rewards"])
@@ -272,6 +278,9 @@ class RLModule(RolloutCollection, L.LightningModule):
                 torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.train_cfg.grad_clip, grad_norm)
             optimizer.step()
             optimizer.zero_grad()
+            if self.entropy_control.enabled:  # the coefficient for the next update (adaptive), as TRL logs it
+                self.entropy_control.update(self.loss_tokens_entropy(metrics))
+                metrics["entropy/coef"] = self.entropy_control.coef
             collected.append({**metrics, "grad_norm": grad_norm.item()})
         metrics = combine(collected)
         metrics["train/skipped_updates"] = float(skipped)
@@ -290,12 +299,14 @@ class RLModule(RolloutCollection, L.LightningModule):
         slices = micro_batches.micro_slices(count, self.train_cfg.micro_batch_size)
         split = len(slices) > 1
         total = micro_batches.denominator(self.objective, minibatch.loss_mask).clamp(min=1) if split else None
+        tokens = minibatch.loss_mask.sum().clamp(min=1) if split else None  # the entropy bonus's count
         keys, collected = None, []
         for index, rows in enumerate(slices):
             micro = minibatch.rows(torch.arange(count, device=self.device)[rows]) if split else minibatch
             share = micro_batches.denominator(self.objective, micro.loss_mask) / total if split else None
+            token_share = micro.loss_mask.sum() / tokens if split else None
             with self.gradient_sync(last=index == len(slices) - 1):
-                out, entropy = self.forward_backward(micro, share, before)
+                out, entropy = self.forward_backward(micro, share, before, token_share)
             if out is None:
                 return None
             mask = micro.loss_mask
@@ -319,37 +330,59 @@ class RLModule(RolloutCollection, L.LightningModule):
         return strategy.block_backward_sync()
 
     def forward_backward(self, minibatch: RolloutBatch, share: torch.Tensor | None = None,
-                         before: FirstForwards | None = None):
-        """Objective and gradient of one (micro-)batch, its loss weighted by `share` (None: 1); (None, None) on every
-        rank when any rank's loss is non-finite. Backward runs inside the replay context, so recomputed forwards
-        replay too. `before` (no replay) keeps the forward's log-probs and experts (recorded in the forward only)."""
+                         before: FirstForwards | None = None, token_share: torch.Tensor | None = None):
+        """Objective and gradient of one (micro-)batch, its loss weighted by `share` (None: 1) and its entropy bonus by
+        `token_share` (micro_batches.weighted_loss); (None, None) on every rank when any rank's loss is non-finite.
+        Backward runs inside the replay context, so recomputed forwards replay too. `before` (no replay) keeps the
+        forward's log-probs and experts (recorded in the forward only)."""
+        coef = self.entropy_control.applied if self.entropy_control.enabled else None
         with self.routing.training(minibatch):
             with self.routing.recording() if before is not None else nullcontext() as trace:
-                logp, entropy = self.logprobs(minibatch, share_prompts=self.replay_allows_sharing(minibatch))
+                logp, entropy = self.logprobs(minibatch, share_prompts=self.replay_allows_sharing(minibatch),
+                                              entropy_grad=bool(coef))  # the bonus's gradient, only where it acts
             if before is not None:
                 before.logp.append(logp.detach())
                 before.traces.append(trace)
             try:
+                entropy_inputs = {"entropy": entropy, "entropy_coef": coef} if self.objective_needs_entropy else {}
                 out = self.objective(logp, minibatch.old_logp, minibatch.advantages, minibatch.loss_mask,
-                                     ref_logp=minibatch.ref_logp, rollout_logp=minibatch.rollout_logp)
+                                     ref_logp=minibatch.ref_logp, rollout_logp=minibatch.rollout_logp,
+                                     **entropy_inputs)
             except NonFiniteLossError as error:
                 log.warning("RL step %d: %s", self.rl_step, error)
                 out = None
             if self.trainer.strategy.reduce_boolean_decision(out is None, all=False):  # any rank -> all skip
                 return None, None
-            self.manual_backward(out.loss if share is None else out.loss * share.to(out.loss.dtype))
-        return out, entropy
+            self.manual_backward(out.loss if share is None else micro_batches.weighted_loss(out, share, token_share))
+        return out, entropy.detach()
 
     def logprobs(self, batch: RolloutBatch, model: torch.nn.Module | None = None,
-                 share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 share_prompts: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy of the batch's completion tokens under `model` (default: the policy);
-        `share_prompts` (train.share_prompt_forward, never with routing hooks or FSDP): each prompt runs once."""
+        `share_prompts` (train.share_prompt_forward, never with routing hooks or FSDP): each prompt runs once;
+        `entropy_grad`: the entropy with its gradient (the entropy bonus)."""
         share = share_prompts and self.train_cfg.share_prompt_forward and not is_sharded(self.model)
         return token_logprobs(
             self.model if model is None else model, batch.input_ids, batch.attention_mask, batch.completion_len,
             self.rollout_cfg.temperature, self.train_cfg.logprob_chunk_rows, share_prompts=share,
-            chunk_tokens=self.train_cfg.logprob_chunk_tokens,
+            chunk_tokens=self.train_cfg.logprob_chunk_tokens, entropy_grad=entropy_grad,
         )
+
+    @property
+    def objective_needs_entropy(self) -> bool:
+        """Whether the objective takes the entropy (its bonus or top-entropy mask; a user's objective may not)."""
+        return getattr(self.objective, "needs_entropy", False)
+
+    def loss_tokens_entropy(self, metrics: dict[str, float]) -> float:
+        """The mean entropy over the tokens the policy loss kept in this mini-batch, over all ranks (each rank's
+        sum and count reduced, as TRL's controller): what the adaptive coefficient steers (`EntropyCoefficient`)."""
+        mean = metrics.get("entropy/kept_mean", metrics["entropy"])
+        count = metrics["mask/valid_tokens"] * metrics.get("entropy/kept_frac", 1.0)
+        if self.trainer.world_size == 1:
+            return mean
+        totals = self.trainer.strategy.reduce(torch.tensor([mean * count, count], device=self.device,
+                                                           dtype=torch.float64), reduce_op="sum")
+        return (totals[0] / totals[1].clamp(min=1)).item()
 
     def replay_allows_sharing(self, minibatch: RolloutBatch) -> bool:
         """Whether a training forward may run each distinct prompt once: always without replay; under replay when

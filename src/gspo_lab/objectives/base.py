@@ -7,13 +7,14 @@ Hydra `_target_`s instead of a string registry):
     ratio        how the importance ratio of every token is built          (objectives/ratios.py)
     surrogate    the per-token loss term made from that ratio              (objectives/surrogates.py)
     aggregation  how the per-token terms become one scalar                 (objectives/aggregations.py)
-Masking, dtype promotion, the rollout corrections, the KL penalty, the non-finite check and the metrics
-that every objective shares live here, once.
+Masking, dtype promotion, the rollout corrections, the KL penalty, the entropy bonus and top-entropy mask
+(objectives/entropy.py), the non-finite check and the metrics that every objective shares live here, once.
 
 Shapes: B sequences, T completion positions.
     logp, old_logp  [B, T]  log-probs of the sampled completion tokens (logp carries the gradient)
     advantages      [B] or [B, T]
     mask            [B, T]  1 on completion tokens, 0 on padding
+    entropy         [B, T]  the policy's entropy at each completion token (with its gradient for the bonus)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from gspo_lab.objectives.entropy import check_entropy_settings, top_entropy_mask
 from gspo_lab.objectives.rollout_correction import CORRECTIONS, correction_weights, diagnostics, off_policy_mask
 from gspo_lab.tensors import k3, masked_mean  # noqa: F401 - re-exported: objectives import them from here
 
@@ -36,6 +38,9 @@ class NonFiniteLossError(FloatingPointError):
 class ObjectiveOutput:
     loss: Tensor  # [] scalar to minimise
     metrics: dict[str, Tensor]  # detached 0-dim tensors, names like "clip/frac"
+    # [] c · H̄, the entropy bonus already subtracted from `loss` (with its gradient), or None: a token mean, which
+    # a micro-batch weights by its share of the tokens, not of the aggregation's count (objectives/micro_batches.py)
+    entropy_bonus: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,8 @@ def check_positive(where: str, **values: float) -> None:
 
 class Objective:
     """An importance-weighted policy-gradient objective: ratio × surrogate × aggregation, plus an optional k3
-    KL penalty, an optional correction for the rollout engine's mismatch and DeepSeek-V3.2's off-policy mask.
+    KL penalty, an optional correction for the rollout engine's mismatch, DeepSeek-V3.2's off-policy mask, and
+    entropy control (gspo_lab.objectives.entropy: a bonus, its adaptive coefficient, a top-entropy token mask).
 
     Args:
         ratio: builds the per-token ratio from the batch (e.g. `ratios.SequenceRatio`).
@@ -119,6 +125,14 @@ class Objective:
             from π_old. The token ratio for every objective, as the paper: TRL multiplies by its ratio `coef_1`,
             which for GSPO (importance_sampling_level="sequence") is the sequence ratio, not an importance weight
             of the token whose KL it weights.
+        entropy_coef: c of the entropy bonus, loss -= c · H̄ with H̄ the token mean of the policy's entropy over
+            the loss's tokens (TRL's entropy_coef; negative: an entropy penalty); 0: off. With a target, the
+            adaptive coefficient's starting value.
+        entropy_target: the mean entropy in nats that Skywork-OR1's adaptive coefficient steers toward (TRL's
+            entropy_target with use_adaptive_entropy); None: the coefficient stays entropy_coef.
+        entropy_coef_delta, entropy_coef_min, entropy_coef_max: the adaptive coefficient's step and bounds.
+        top_entropy_quantile: ρ, the share of tokens, those of highest entropy, that the policy loss keeps
+            ("Beyond the 80/20 rule"; TRL's top_entropy_quantile); 1: every token.
     """
 
     def __init__(
@@ -133,6 +147,12 @@ class Objective:
         rollout_correction_min: float | None = None,
         off_policy_mask_threshold: float | None = None,
         kl_bias_correction: bool = False,
+        entropy_coef: float = 0.0,
+        entropy_target: float | None = None,
+        entropy_coef_delta: float = 0.005,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
+        top_entropy_quantile: float = 1.0,
     ) -> None:
         self.name = name
         if not beta >= 0:
@@ -147,12 +167,28 @@ class Objective:
                              "(0, 1) or null")
         if off_policy_mask_threshold is not None:
             check_positive(f"{self.label}: objective", off_policy_mask_threshold=off_policy_mask_threshold)
+        check_entropy_settings(f"{self.label}: objective", entropy_coef, entropy_target, entropy_coef_delta,
+                               entropy_coef_min, entropy_coef_max, top_entropy_quantile)
         self.ratio, self.surrogate, self.aggregation = ratio, surrogate, aggregation
         self.beta = float(beta)
         self.rollout_correction, self.rollout_correction_cap = rollout_correction, float(rollout_correction_cap)
         self.rollout_correction_min = None if rollout_correction_min is None else float(rollout_correction_min)
         self.off_policy_mask_threshold = None if off_policy_mask_threshold is None else float(off_policy_mask_threshold)
         self.kl_bias_correction = bool(kl_bias_correction)
+        self.entropy_coef, self.entropy_target = float(entropy_coef), entropy_target
+        self.entropy_coef_delta, self.entropy_coef_min = float(entropy_coef_delta), float(entropy_coef_min)
+        self.entropy_coef_max, self.top_entropy_quantile = float(entropy_coef_max), float(top_entropy_quantile)
+
+    @property
+    def entropy_bonus(self) -> bool:
+        """Whether the loss has an entropy bonus term: a non-zero coefficient, or an adaptive one (which keeps the
+        term where the coefficient has come down to 0, as TRL's _entropy_bonus_enabled)."""
+        return self.entropy_coef != 0 or self.entropy_target is not None
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether a call needs the policy's entropy at each token: for the bonus or the top-entropy mask."""
+        return self.entropy_bonus or self.top_entropy_quantile < 1
 
     @property
     def label(self) -> str:
@@ -171,11 +207,23 @@ class Objective:
         mask: Tensor,
         ref_logp: Tensor | None = None,
         rollout_logp: Tensor | None = None,
+        entropy: Tensor | None = None,
+        entropy_coef: float | None = None,
     ) -> ObjectiveOutput:
+        """`entropy` [B, T]: needed when `needs_entropy`; `entropy_coef`: the bonus's coefficient this step (an
+        adaptive one, `EntropyCoefficient.applied`), None: objective.entropy_coef."""
         batch = self._prepare(logp, old_logp, advantages, mask)
+        if entropy is not None:
+            entropy = torch.where(batch.mask.bool(), entropy.to(batch.logp.dtype), 0.0)  # [B, T]
+        elif self.needs_entropy:
+            raise ValueError(f"{self.label}: objective.entropy_coef, entropy_target and top_entropy_quantile need "
+                             "the policy's entropy at each token (entropy=)")
+        high_entropy = None
+        if self.top_entropy_quantile < 1:
+            high_entropy = top_entropy_mask(entropy, batch.mask, self.top_entropy_quantile)  # [B, T]
         ratio = self.ratio(batch)
         per_token, surrogate_metrics = self.surrogate(ratio.per_token, batch)  # [B, T]
-        per_token, metrics = self._corrected(per_token, batch, rollout_logp)
+        per_token, metrics = self._corrected(per_token, batch, rollout_logp, high_entropy)
         policy_loss = self.aggregation(per_token, batch)
         loss = policy_loss
         metrics["loss/policy"] = policy_loss
@@ -189,6 +237,13 @@ class Objective:
             kl_penalty = self.aggregation(kl_ref, batch)
             loss = loss + self.beta * kl_penalty
             metrics["kl/ref"] = kl_penalty
+        bonus = None
+        if high_entropy is not None:
+            metrics["entropy/kept_mean"] = masked_mean(entropy, high_entropy)
+        if self.entropy_bonus:
+            tokens = batch.mask if high_entropy is None else high_entropy  # TRL: the policy loss's tokens
+            loss, bonus = self._with_entropy_bonus(loss, entropy, tokens, entropy_coef)
+            metrics["loss/entropy_bonus"] = bonus
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"{self.label}: the loss is {loss.item()} (non-finite); "
@@ -199,12 +254,20 @@ class Objective:
         metrics.update(surrogate_metrics)
         metrics.update(self._metrics(batch, ratio))
         metrics["loss/total"] = loss
-        return ObjectiveOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
+        return ObjectiveOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()}, entropy_bonus=bonus)
 
-    def _corrected(self, per_token: Tensor, batch: MaskedBatch, rollout_logp: Tensor | None
-                   ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The policy terms [B, T] times the rollout correction's weights and the off-policy mask (each off
-        unless set), and their metrics. Both leave the normaliser as it is (TRL)."""
+    def _with_entropy_bonus(self, loss: Tensor, entropy: Tensor, tokens: Tensor, coef: float | None
+                            ) -> tuple[Tensor, Tensor]:
+        """loss - c · H̄ and c · H̄, H̄ = Σ H · tokens / Σ tokens: the mean entropy over the tokens the policy loss
+        keeps, whatever the aggregation (TRL: `entropy_loss`, the same meaning of c for every loss_type)."""
+        coef = self.entropy_coef if coef is None else coef
+        bonus = coef * masked_mean(entropy, tokens)  # c · H̄  []
+        return loss - bonus, bonus
+
+    def _corrected(self, per_token: Tensor, batch: MaskedBatch, rollout_logp: Tensor | None,
+                   high_entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The policy terms [B, T] times the rollout correction's weights, the off-policy mask and the top-entropy
+        mask `high_entropy` (each off unless set), and their metrics. All leave the normaliser as it is (TRL)."""
         metrics: dict[str, Tensor] = {}
         valid = batch.mask.bool()
         engine = None if rollout_logp is None else torch.where(valid, rollout_logp.to(batch.logp.dtype), 0.0)
@@ -223,6 +286,9 @@ class Objective:
                                                  self.off_policy_mask_threshold)
             per_token = per_token * keep
             metrics.update(mask_metrics)
+        if high_entropy is not None:  # "Beyond the 80/20 rule": only the high-entropy tokens' terms
+            per_token = per_token * high_entropy
+            metrics["entropy/kept_frac"] = masked_mean(high_entropy, batch.mask)
         return per_token, metrics
 
     def _prepare(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> MaskedBatch:

@@ -4,11 +4,13 @@ mini-batch's, and the metrics of the micro-batches combined into the mini-batch'
 Every aggregation is Σ terms / D with a count D that adds up over rows (`denominator`), so with D_m the count of
 micro-batch m and D = Σ_m D_m, Σ_m (D_m / D) loss_m = Σ_m S_m / D = the mini-batch's loss, and the gradients
 accumulated from (D_m / D) loss_m are the mini-batch's gradient: exactly, up to float rounding. Normalising each
-micro-batch by its own count instead (the classic bug) weighs a short micro-batch's tokens more.
+micro-batch by its own count instead (the classic bug) weighs a short micro-batch's tokens more. The entropy bonus
+c · H̄ is a token mean whatever the aggregation, so its part of loss_m is weighted by N_m / N, the micro-batch's
+share of the valid tokens, instead (`weighted_loss`).
 
 Metrics combine by what they are: a token mean weighted by the micro-batches' valid tokens, a sequence mean
 by their valid rows, a loss by D_m / D, a count by summing, */max and */min by max and min; is/ess, a ratio of
-token means, is rebuilt from the combined means.
+token means, and loss/total with an entropy bonus are rebuilt from the combined parts.
 """
 
 from __future__ import annotations
@@ -37,9 +39,26 @@ def denominator(objective, mask: Tensor) -> Tensor:
 
 
 def check_splittable(objective) -> None:
-    """Raise the `denominator` error at plan time."""
+    """Raise the `denominator` error at plan time, and refuse a top-entropy mask (objective.top_entropy_quantile < 1),
+    which keeps the top tokens of the forward it is given."""
+    if getattr(objective, "top_entropy_quantile", 1.0) < 1:
+        raise ValueError(f"objective.top_entropy_quantile={objective.top_entropy_quantile!r} is invalid with "
+                         "train.micro_batch_size set: the policy loss keeps the tokens whose entropy is in the top "
+                         "quantile of one forward's tokens (TRL: of its micro-batch), so micro-batches would keep "
+                         "other tokens than their mini-batch and the update would depend on a memory setting; set "
+                         "train.micro_batch_size=null")
     if getattr(objective.aggregation, "denominator", None) is None:
         denominator(objective, torch.ones(1, 1))
+
+
+def weighted_loss(out, share: Tensor, token_share: Tensor) -> Tensor:
+    """A micro-batch's part of its mini-batch's loss, from its ObjectiveOutput: the aggregated terms × D_m / D
+    (`share`), and the entropy bonus c · H̄_m, a token mean, × N_m / N (`token_share`), so that the parts add up
+    to the mini-batch's c · H̄."""
+    share = share.to(out.loss.dtype)
+    if out.entropy_bonus is None:
+        return out.loss * share
+    return (out.loss + out.entropy_bonus) * share - out.entropy_bonus * token_share.to(out.loss.dtype)
 
 
 def metric_kind(objective, key: str) -> str:
@@ -80,6 +99,10 @@ def combine(objective, parts: list[tuple[dict[str, float], float, float, float]]
             combined[key] = sum(v[0] * w for v, w in zip(values, weights)) / total if total else values[0][0]
     if "is/ess" in combined:
         combined["is/ess"] = effective_sample_size(parts, combined["is/weight_mean"])
+    if "loss/entropy_bonus" in combined:  # the aggregated part by D_m / D, the bonus (a token mean) by tokens
+        aggregated = sum((metrics["loss/total"] + metrics["loss/entropy_bonus"]) * share
+                         for metrics, _, _, share in parts)
+        combined["loss/total"] = aggregated - combined["loss/entropy_bonus"]
     return combined
 
 
