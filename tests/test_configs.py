@@ -142,7 +142,9 @@ def test_algorithms(name, cls, replay, compose):
     assert instantiate(compose([f"algorithm={name}", "objective.clip_high=0.5"]).objective).clip_high == 0.5
 
 
-COMPOSED = ["cispo", "dapo", "dr_grpo", "gmpo", "luspo", "sapo", "vespo"]  # objectives composed from the axes in YAML
+# objectives composed from the axes in YAML
+COMPOSED = ["cispo", "clip_cov", "dapo", "dppo_kl", "dppo_tv", "dr_grpo", "dro", "gmpo", "gpg", "kl_cov", "luspo",
+            "sapo", "vespo"]
 
 
 @pytest.mark.parametrize("name", COMPOSED)

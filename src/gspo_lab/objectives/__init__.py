@@ -2,7 +2,8 @@
 
 An `Objective` is a ratio (objectives/ratios.py), a surrogate (surrogates.py) and an aggregation
 (aggregations.py); GSPO, GSPOToken and GRPO are three fixed compositions with the papers' flat settings, and
-conf/objective/*.yaml composes the others (dapo, dr_grpo, cispo, sapo, gmpo, luspo, vespo) from the axes.
+conf/objective/*.yaml composes the others (dapo, dr_grpo, cispo, sapo, gmpo, luspo, vespo, clip_cov, kl_cov,
+dppo_tv, dppo_kl, gpg, dro) from the axes; Clip-Cov's and KL-Cov's surrogates are in covariance.py.
 """
 
 from gspo_lab.objectives.advantages import (GDPO, RLOO, AdvantageEstimator, GroupAdvantage, PassAtK,

@@ -39,8 +39,15 @@ def denominator(objective, mask: Tensor) -> Tensor:
 
 
 def check_splittable(objective) -> None:
-    """Raise the `denominator` error at plan time, and refuse a top-entropy mask (objective.top_entropy_quantile < 1),
-    which keeps the top tokens of the forward it is given."""
+    """At plan time, with train.micro_batch_size set: raise the `denominator` error, or refuse a surrogate that
+    selects tokens over the whole mini-batch (`whole_batch`: Clip-Cov, KL-Cov) or a top-entropy mask
+    (objective.top_entropy_quantile < 1), as micro-batches select others."""
+    surrogate = getattr(objective, "surrogate", None)
+    if getattr(surrogate, "whole_batch", False):
+        raise ValueError(f"train.micro_batch_size is set, but objective={objective.label} "
+                         f"({type(surrogate).__name__}) selects tokens by their covariance over the whole mini-batch "
+                         "(objective.surrogate.select_frac of its valid tokens), which micro-batches cannot "
+                         "reproduce; set train.micro_batch_size=null or choose another objective")
     if getattr(objective, "top_entropy_quantile", 1.0) < 1:
         raise ValueError(f"objective.top_entropy_quantile={objective.top_entropy_quantile!r} is invalid with "
                          "train.micro_batch_size set: the policy loss keeps the tokens whose entropy is in the top "

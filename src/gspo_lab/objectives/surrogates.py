@@ -5,13 +5,17 @@
     CISPO        -sg[min(r, ε_max)] A log π                                                CISPO
     SAPO         -(4/τ) σ(τ (r - 1)) A, τ = τ_pos where A > 0 else τ_neg                   SAPO
     VESPO        -sg[φ(W)] A log π, φ(W) = W^k e^{λ (1 - W)} on the sequence ratio W       VESPO
+    DPPO         -sg[min(r, c)] A log π where π(y_t) did not move beyond δ in A's direction  DPPO-Binary-TV, -KL
+    PolicyGradient  -A log π                                                               GPG
+    DRO          -(A log π - (β/2) (log r)²)                                               verl's DRO
 
 Each is a frozen dataclass called as `surrogate(ratio, batch) -> (per_token, metrics)`: the terms [B, T] and
 its own detached metrics. A surrogate with a clip reports clip/* (`base.clip_fractions`); one without reports
 its own analogue under its name (sapo/gate_mean, cispo/capped_frac, vespo/weight_mean): a fraction it limits
 has `frac` in its name and is 0 on-policy, a mean weight ends in `_mean` and is 1 on-policy (what
-tests/objectives/test_every_objective.py checks for every YAML). Settings are checked on construction, with
-the key under `objective.surrogate`.
+tests/objectives/test_every_objective.py checks for every YAML); one that limits nothing (PolicyGradient, DRO)
+reports nothing. Settings are checked on construction, with the key under `objective.surrogate`. Clip-Cov and
+KL-Cov, which select tokens by a covariance over the batch, are in objectives/covariance.py.
 """
 
 from __future__ import annotations
@@ -56,19 +60,24 @@ class ClippedMin:
 
     def __call__(self, ratio: Tensor, batch: MaskedBatch) -> tuple[Tensor, dict[str, Tensor]]:
         adv = batch.advantages  # [B, T]
-        clipped_r = ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
-        # J = min(r A, clip(r, 1-ε_low, 1+ε_high) A); the loss is its negation
-        per_token = -torch.minimum(ratio * adv, clipped_r * adv)  # [B, T]
+        per_token, low, high = clipped_min(ratio, adv, self.clip_low, self.clip_high)  # [B, T]
         if self.dual_clip is not None:  # loss = min(loss, -c A) where A < 0
             per_token = torch.where(adv < 0, torch.minimum(per_token, -self.dual_clip * adv), per_token)
         with torch.no_grad():
-            r = ratio.detach()
-            low = (r < 1 - self.clip_low) & (adv < 0)  # clipped branch binds below
-            high = (r > 1 + self.clip_high) & (adv > 0)  # ... and above
             metrics = clip_fractions(low, high, batch)
             if self.dual_clip is not None:
-                metrics["clip/frac_dual"] = masked_mean(((r > self.dual_clip) & (adv < 0)).to(r.dtype), batch.mask)
+                dual = (ratio.detach() > self.dual_clip) & (adv < 0)
+                metrics["clip/frac_dual"] = masked_mean(dual.to(adv.dtype), batch.mask)
         return per_token, metrics
+
+
+def clipped_min(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's clipped term -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) [B, T], and where the clipped branch
+    binds below (r < 1 - clip_low, A < 0) and above (r > 1 + clip_high, A > 0), bool [B, T]."""
+    clipped_r = ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_token = -torch.minimum(ratio * adv, clipped_r * adv)  # J = min(r A, clip(r) A); the loss its negation
+    r = ratio.detach()
+    return per_token, (r < 1 - clip_low) & (adv < 0), (r > 1 + clip_high) & (adv > 0)
 
 
 @dataclass(frozen=True)
@@ -177,3 +186,103 @@ class VESPO:
             phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))  # log φ = λ + k log W - λ W
         per_token = -phi * adv * batch.logp  # ∇ = -φ(W) A ∇ log π
         return per_token, {"vespo/weight_mean": masked_mean(phi, batch.mask)}
+
+
+@dataclass(frozen=True)
+class DPPO:
+    """DPPO-Binary (Qi et al., "Rethinking the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879): PPO's
+    ratio clip replaced by a mask on how far π(y_t) moved from π_old(y_t), in the direction A pushes it, measured
+    on the Bernoulli "the sampled token or another":
+        tv  D = π_θ(y_t) - π_old(y_t)                   masked: A > 0 and D > δ_high, or A <= 0 and D < -δ_low
+        kl  D = KL(Bern(π_old(y_t)) ‖ Bern(π_θ(y_t)))  masked: A > 0, π_θ > π_old and D > δ_high,
+                                                         or A <= 0, π_θ < π_old and D > δ_low
+    J = sg[min(r, c)] A log π on the kept tokens: the gradient min(r, c) A ∇ log π is the paper's eq. 11 (r A,
+    no cap) below the cap.
+
+    As verl's `dppo_tv` and `dppo_kl` (verl-project/verl 0.10.0.dev, commit 1dda039, core_algos.py; PR #5397 by
+    the paper's authors), whose loss value is -sg[min(r, c)] A log π (the paper's -r A has the same gradient), with
+    verl's 1e-8 in the kl's log((1 - π_old) / (1 - π_θ)). verl clamps the log-ratio to ±20 before the weight; here
+    the ratio axis's is used (exact unless objective.ratio.log_ratio_clamp). The mask anchors on old_logp: the
+    rollout's own log-probs under rollout.logprobs_from_generation (the paper's behaviour policy), else the
+    trainer's π_old, as verl outside its bypass mode. Reports clip/* for the mask (low: masked with A < 0, high:
+    masked with A > 0; verl's pg_clipfrac also counts masked tokens with A = 0, whose term is 0) and, with a cap,
+    dppo/capped_frac (kept tokens with r > c: verl's pg_clipfrac_lower).
+
+    Args:
+        divergence: "tv" (DPPO-Binary-TV) or "kl" (DPPO-Binary-KL).
+        divergence_low, divergence_high: δ (> 0) for a fall (A <= 0) and a rise (A > 0) of π(y_t); verl's recipe
+            (examples/dppo_trainer) uses 0.15 for tv and 0.05 for kl.
+        cap: c >= 1 of the truncated weight (verl's clip_ratio_c), or None (default): none, as the paper's eq. 11
+            (its section 5.4 finds the truncation's bias harmful; verl's recipe sets c = 10000).
+    """
+
+    divergence: str = "tv"
+    divergence_low: float = 0.15
+    divergence_high: float = 0.15
+    cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.divergence not in ("tv", "kl"):
+            raise ValueError(f"DPPO: objective.surrogate.divergence={self.divergence!r} must be 'tv' or 'kl'")
+        check_positive("DPPO: objective.surrogate", divergence_low=self.divergence_low,
+                       divergence_high=self.divergence_high)
+        if self.cap is not None and not self.cap >= 1:
+            raise ValueError(f"DPPO: objective.surrogate.cap={self.cap!r} must be >= 1 or null (a cap below 1 scales "
+                             "every on-policy token down)")
+
+    def __call__(self, ratio: Tensor, batch: MaskedBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        adv = batch.advantages  # [B, T]
+        with torch.no_grad():
+            rise, fall = self.moved(batch)  # bool [B, T]
+            keep = torch.where(adv > 0, ~rise, ~fall).to(adv.dtype)  # M_t: A > 0 may not rise, A <= 0 not fall
+            weight = ratio.detach() if self.cap is None else ratio.detach().clamp(max=self.cap)  # sg[min(r, c)]
+        per_token = -adv * weight * batch.logp * keep  # ∇ = -M min(r, c) A ∇ log π; a product, so NaN stays NaN
+        with torch.no_grad():
+            metrics = clip_fractions(fall & (adv < 0), rise & (adv > 0), batch)
+            if self.cap is not None:
+                metrics["dppo/capped_frac"] = masked_mean((ratio.detach() > self.cap) * keep, batch.mask)
+        return per_token, metrics
+
+    def moved(self, batch: MaskedBatch) -> tuple[Tensor, Tensor]:
+        """Where π(y_t) rose beyond δ_high and where it fell beyond δ_low, by this divergence; bool [B, T]."""
+        logp = batch.logp.detach()
+        prob, old_prob = torch.exp(logp), torch.exp(batch.old_logp)
+        if self.divergence == "tv":
+            return prob - old_prob > self.divergence_high, prob - old_prob < -self.divergence_low
+        # KL(Bern(π_old) ‖ Bern(π_θ)) = π_old log(π_old / π_θ) + (1 - π_old) log((1 - π_old) / (1 - π_θ))
+        kl = old_prob * (batch.old_logp - logp) + (1 - old_prob) * torch.log((1 - old_prob + 1e-8)
+                                                                             / (1 - prob + 1e-8))
+        return (kl > self.divergence_high) & (prob > old_prob), (kl > self.divergence_low) & (prob < old_prob)
+
+
+@dataclass(frozen=True)
+class PolicyGradient:
+    """The plain policy gradient J = A log π: no ratio, no clip. GPG's loss (Chu et al., "GPG: A Simple and Strong
+    Reinforcement Learning Baseline", arXiv 2504.02546), as verl's `gpg` policy loss (-A log π, verl 0.10.0.dev
+    1dda039 core_algos.py); GPG's own correction of the advantages is an advantage estimator, not part of the loss.
+    The ratio is not used (ratio/* are still reported). Reports nothing of its own: it limits nothing."""
+
+    def __call__(self, ratio: Tensor, batch: MaskedBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        return -batch.advantages * batch.logp, {}  # ∇ = -A ∇ log π
+
+
+@dataclass(frozen=True)
+class DRO:
+    """verl's `dro` policy loss (Direct Reward Optimization; verl-project/verl PR #7245, docs/algo/dro.md, which
+    names no paper): the policy gradient with a quadratic penalty on each token's log-ratio,
+    J = A log π - (β/2) (log π_θ/π_old)², the loss its negation; ∇J = (A - β log r) ∇ log π pulls a token that
+    moved back toward π_old. The ratio axis is not used. Reports nothing of its own: the penalty is in
+    loss/policy.
+
+    Args:
+        penalty_coef: β > 0 (verl's dro_beta, which has no default; verl's usage example sets 0.05).
+    """
+
+    penalty_coef: float = 0.05
+
+    def __post_init__(self) -> None:
+        check_positive("DRO: objective.surrogate", penalty_coef=self.penalty_coef)
+
+    def __call__(self, ratio: Tensor, batch: MaskedBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        log_ratio = batch.logp - batch.old_logp  # [B, T]
+        return -(batch.advantages * batch.logp - 0.5 * self.penalty_coef * log_ratio**2), {}
