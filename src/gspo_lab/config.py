@@ -205,6 +205,9 @@ class TrainConfig:
             maths to float rounding, less work; under routing replay only where a prompt's rows recorded the same
             experts; not under FSDP or activation checkpointing.
         max_consecutive_skips: stop the run after this many updates in a row skipped for NaN/Inf.
+        lm_head_fp32: the policy's LM head computes in float32 outside autocast wherever it runs (generation,
+            log-probs, reference, evaluation; gspo_lab.models.lm_head), TRL's cast_lm_head_to_fp32; it matters
+            under trainer.precision=bf16-mixed, where autocast would run the head in bfloat16.
         on_reward_error: "zero" scores a completion whose reward function raised 0 (reported and counted
             in reward/errors); "raise" stops the run.
     """
@@ -221,6 +224,7 @@ class TrainConfig:
     logprob_chunk_tokens: int = 8192
     share_prompt_forward: bool = True
     max_consecutive_skips: int = 5
+    lm_head_fp32: bool = False
     on_reward_error: str = "zero"
 
     def __post_init__(self) -> None:

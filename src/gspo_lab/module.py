@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader
 from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
 from gspo_lab.eval_sets import EvalPlan, SetSpec
 from gspo_lab.evaluation import HELDOUT, EvalSettings, write_jsonl
+from gspo_lab.models.lm_head import fp32_lm_head
 from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.objectives import AdvantageEstimator, NonFiniteLossError, Objective
 from gspo_lab.objectives import micro_batches
@@ -106,6 +107,8 @@ class RLModule(RolloutCollection, L.LightningModule):
         self.automatic_optimization = False
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.model.train()  # what Lightning expects at the start of fit; RL itself runs in eval mode (on_train_start)
+        if train.lm_head_fp32:  # before the reference and an engine copy are made: they keep it
+            fp32_lm_head(model)
         self.objective, self.advantage, self.optimizer_factory = objective, advantage, optimizer
         # the KL penalty's reference: the starting policy (the cold start, or the initial model), frozen; under
         # LoRA the same model with its adapters disabled
