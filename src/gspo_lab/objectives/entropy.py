@@ -5,7 +5,7 @@
                 H_t = -Σ_v π(v) log π(v) (Skywork-OR1, arXiv 2505.22312); a token mean whatever the aggregation,
                 as TRL's, so c means the same for every objective                          objective.entropy_coef
     adaptive    c moves by Δ toward keeping H̄ at a target after every optimizer step, within [c_min, c_max], and
-                is applied only while the last H̄ was at or below the target (Skywork-OR1 §3.2.2; TRL's
+                is applied only while the last H̄ was at or below the target (Skywork-OR1; TRL's
                 use_adaptive_entropy)                                    objective.entropy_target (null: off)
     top-ρ mask  only the tokens whose entropy is at or above the (1 - ρ) quantile of the batch's contribute to
                 the policy loss ("Beyond the 80/20 rule", arXiv 2506.01939, ρ = 0.2; TRL's top_entropy_quantile);
