@@ -5,6 +5,12 @@ tests/objectives/test_entropy.py and tests/rollout/test_logprobs_entropy.py."""
 
 from __future__ import annotations
 
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -99,3 +105,20 @@ def test_the_bonus_s_update_does_not_depend_on_the_micro_batch_size(compose, no_
     assert max(g.abs().max().item() for g in whole) > 0
     for got, expected in zip(gradients["3"], whole, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=64 * 1.2e-7 * expected.abs().max().item() + 1e-12)
+
+
+@pytest.mark.slow
+def test_two_ranks_run_the_adaptive_coefficient_and_the_mask(no_cold_start, tmp_path):
+    """Two gloo ranks, each masking by its own tokens' quantile, the coefficient's H̄ reduced over both (the path
+    runs; its value is not checked here): identical replicas, and the coefficient each update raises."""
+    overrides = [o for o in no_cold_start if not o.startswith("paths.output_dir")]
+    result = subprocess.run(
+        [sys.executable, "-m", "gspo_lab.train", *overrides, *ADAPTIVE, "objective.top_entropy_quantile=0.5",
+         "trainer=ddp", "trainer.devices=2", "train.steps=2", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path, env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(Path(__file__).parents[1])},
+        capture_output=True, text=True, timeout=600)  # PYTHONPATH: the reward function lives in this module
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [float(row["entropy/coef"]) for row in rows[:2]] == pytest.approx([0.015, 0.035], abs=1e-12)
+    assert 0.45 <= float(rows[0]["entropy/kept_frac"]) < 0.6 and float(rows[-1]["params/rank_spread"]) == 0
