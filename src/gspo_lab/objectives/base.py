@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from gspo_lab.objectives.entropy import check_entropy_settings, top_entropy_mask
+from gspo_lab.objectives.entropy import EntropyCoefficient, check_entropy_settings, top_entropy_mask
 from gspo_lab.objectives.rollout_correction import CORRECTIONS, correction_weights, diagnostics, off_policy_mask
 from gspo_lab.tensors import k3, masked_mean  # noqa: F401 - re-exported: objectives import them from here
 
@@ -180,15 +180,9 @@ class Objective:
         self.entropy_coef_max, self.top_entropy_quantile = float(entropy_coef_max), float(top_entropy_quantile)
 
     @property
-    def entropy_bonus(self) -> bool:
-        """Whether the loss has an entropy bonus term: a non-zero coefficient, or an adaptive one (which keeps the
-        term where the coefficient has come down to 0, as TRL's _entropy_bonus_enabled)."""
-        return self.entropy_coef != 0 or self.entropy_target is not None
-
-    @property
     def needs_entropy(self) -> bool:
         """Whether a call needs the policy's entropy at each token: for the bonus or the top-entropy mask."""
-        return self.entropy_bonus or self.top_entropy_quantile < 1
+        return EntropyCoefficient.of(self).enabled or self.top_entropy_quantile < 1
 
     @property
     def label(self) -> str:
@@ -240,7 +234,7 @@ class Objective:
         bonus = None
         if high_entropy is not None:
             metrics["entropy/kept_mean"] = masked_mean(entropy, high_entropy)
-        if self.entropy_bonus:
+        if EntropyCoefficient.of(self).enabled:
             tokens = batch.mask if high_entropy is None else high_entropy  # TRL: the policy loss's tokens
             loss, bonus = self._with_entropy_bonus(loss, entropy, tokens, entropy_coef)
             metrics["loss/entropy_bonus"] = bonus
