@@ -25,7 +25,7 @@ from gspo_lab.rewards import (
     think_format,
 )
 from gspo_lab.tasks import Arithmetic, HFDataset
-from tests.rewards import user_rewards
+from tests.rewards import slow_import, user_rewards
 
 PROMPTS = ["1+1=", "2+5=", "3+3="]
 TEXTS = ["2", "so 7", "six 6"]
@@ -239,6 +239,18 @@ def test_a_tensor_reward_crosses_from_a_worker_and_each_function_crosses_once(tm
             assert scores.per_function["as_tensor"].tolist() == [1.0, 4.0, 5.0]  # len("2"), len("so 7"), ...
         assert scores.per_function["CountsItsCopies"].tolist() == [1.0] * 3
         assert copies.read_text() == "copy\n"  # 6 calls, one copy
+    finally:
+        pool.close()
+
+
+def test_a_calls_timeout_does_not_count_its_functions_imports(monkeypatch):
+    """A worker imports a function's modules when it first receives it; under a 1 s timeout, a module that takes
+    3 s to import timed out the first call (math_verify's first grade did on a loaded machine: CI's test of the
+    reward options). The function is loaded before the call's clock starts."""
+    monkeypatch.setenv("SLOW_IMPORT_S", "3")
+    pool = GradingPool(num_workers=1, timeout_s=1.0)
+    try:
+        assert [o.value for o in pool([(slow_import.length, ("abc",), {}), (slow_import.length, ("de",), {})])] == [3, 2]
     finally:
         pool.close()
 

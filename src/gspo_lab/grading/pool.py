@@ -63,9 +63,9 @@ def call_inline(fn: Callable, args: tuple, kwargs: dict) -> Outcome:
 
 
 def serve(fd: int) -> None:
-    """A worker process: over the socket `fd`, say it is ready, then answer each call `(key, fn or None, args,
-    kwargs)` with `(whether fn is known now, Outcome)`, keeping each function by its key, until it receives None
-    or the parent goes away."""
+    """A worker process: over the socket `fd`, say it is ready, then take each function `(key, fn)` (answered
+    "loaded") and answer each call `(key, None, args, kwargs)` with `(True, Outcome)`, until it receives None or
+    the parent goes away; a message it cannot unpickle is answered `(False, Outcome)`."""
     connection, functions = Connection(fd), {}
     connection.send_bytes(pickle.dumps("ready"))
     while True:
@@ -81,6 +81,10 @@ def serve(fd: int) -> None:
             continue
         if call is None:
             return
+        if len(call) == 2:  # (key, fn): a function loaded before its first call, its imports outside any timeout
+            functions[call[0]] = call[1]
+            connection.send_bytes(pickle.dumps("loaded"))
+            continue
         key, fn, args, kwargs = call
         functions.setdefault(key, fn)
         outcome = call_inline(functions[key], args, kwargs)
@@ -204,12 +208,14 @@ class GradingPool:
         worker = self.workers[k]
         fn, args, kwargs = calls[job]
         key = id(fn)
+        if key not in worker.known and not self._load(k, key, fn, job, outcomes):
+            return
+        worker = self.workers[k]
         try:
-            message = pickle.dumps((key, None if key in worker.known else fn, args, kwargs))
+            message = pickle.dumps((key, None, args, kwargs))
         except Exception as error:  # noqa: BLE001 - pickling raises many types
             outcomes[job] = Outcome(failure="error", detail=f"could not be sent to a grading worker: {error!r}")
             return
-        self.functions[key] = fn
         try:
             worker.connection.send_bytes(message)
         except OSError:  # it died since its last call
@@ -218,6 +224,36 @@ class GradingPool:
             self.workers[k] = Worker()
             return
         worker.job, worker.started = job, time.monotonic()
+
+    def _load(self, k: int, key: int, fn: Callable, job: int, outcomes: list) -> bool:
+        """Give worker k the function `fn` before its first call, and wait (up to STARTUP_TIMEOUT_S) while
+        unpickling it imports its modules (math-verify, sympy, torch: seconds, more on a loaded machine), so a
+        call's timeout times the call alone. False, with call `job`'s error outcome set, where it cannot be sent or
+        loaded; a worker that died meanwhile is replaced."""
+        worker = self.workers[k]
+        try:
+            message = pickle.dumps((key, fn))
+        except Exception as error:  # noqa: BLE001 - pickling raises many types
+            outcomes[job] = Outcome(failure="error", detail=f"could not be sent to a grading worker: {error!r}")
+            return False
+        self.functions[key] = fn  # held, so its id is never another function's key
+        try:
+            worker.connection.send_bytes(message)
+            reply = worker.receive() if worker.answers_within(STARTUP_TIMEOUT_S) else None
+        except OSError:
+            reply = None
+        if reply == "loaded":
+            worker.known.add(key)
+            return True
+        if reply is not None:  # (False, Outcome): it could not be loaded there; the worker goes on
+            outcomes[job] = reply[1]
+            return False
+        dead = worker.process.poll() is not None
+        outcomes[job] = Outcome(failure="error", detail=worker.death() if dead else
+                                f"its function was not loaded within {STARTUP_TIMEOUT_S} s")
+        worker.kill()
+        self.workers[k] = Worker()
+        return False
 
     def _collect(self, k: int, worker: Worker, ready: bool, calls: list, outcomes: list) -> None:
         """Take worker k's answer when `ready`, or its timeout; a worker that died or timed out is replaced."""
