@@ -143,8 +143,8 @@ def test_algorithms(name, cls, replay, compose):
 
 
 # objectives composed from the axes in YAML
-COMPOSED = ["cispo", "clip_cov", "dapo", "dppo_kl", "dppo_tv", "dr_grpo", "dro", "gmpo", "gpg", "kl_cov", "luspo",
-            "sapo", "vespo"]
+COMPOSED = ["cispo", "clip_cov", "dapo", "dppo_kl", "dppo_tv", "dr_grpo", "dro", "gmpo", "gpg", "gspo_clip_cov",
+            "gspo_kl_cov", "kl_cov", "luspo", "sapo", "vespo"]
 
 
 @pytest.mark.parametrize("name", COMPOSED)

@@ -42,8 +42,9 @@ def finished_runs(sweep: Path) -> list[Path]:
 
 
 def test_every_experiment_is_tested():
-    assert STUDIES == ["clip_range", "expert_volatility", "group_size", "length_norm", "length_norm_long",
-                       "objective_zoo", "objective_zoo_long", "off_policy", "paper_main", "precision", "routing_replay", "stability"]
+    assert STUDIES == ["clip_range", "entropy", "expert_volatility", "group_size", "length_norm", "length_norm_long",
+                       "objective_zoo", "objective_zoo_long", "off_policy", "paper_main", "precision", "real_engine",
+                       "routing_replay", "stability"]
     assert SINGLE_RUNS == ["bench_anchor", "bench_gpu", "bench_paper", "bench_vocab"]
 
 
@@ -61,8 +62,10 @@ def test_single_run_experiment_runs_one_tiny_step(experiment, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("study", STUDIES)
+@pytest.mark.parametrize("study", [pytest.param(s, marks=pytest.mark.vllm) if s == "real_engine" else s for s in STUDIES])
 def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
+    if study == "real_engine":  # rollouts from vLLM: make test-vllm runs it
+        pytest.importorskip("vllm")
     swept = EXPERIMENTS[study].hydra.sweeper.params
     tiny = [o for o in TINY + ["model.config.num_hidden_layers=1"] if o.split("=")[0] not in swept]
     result = gspo_train(["-m", f"experiment={study}", "seed=0", "sft.enabled=false", "hydra/launcher=basic",
@@ -71,8 +74,8 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     runs = finished_runs(tmp_path / "sweep")
     expected = {"paper_main": 5, "clip_range": 6, "group_size": 4, "length_norm": 2, "length_norm_long": 2, "objective_zoo": 10,
-                "objective_zoo_long": 10,                 "routing_replay": 6,
-                "expert_volatility": 8, "off_policy": 4, "stability": 6, "precision": 4}[study]
+                "objective_zoo_long": 10, "routing_replay": 6, "expert_volatility": 8, "off_policy": 4, "stability": 6,
+                "precision": 4, "real_engine": 4, "entropy": 2}[study]
     assert len(runs) == expected
     assert all((run / "metrics.csv").is_file() for run in runs)
 
