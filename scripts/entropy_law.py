@@ -38,7 +38,8 @@ def main() -> None:
         by_setting[run.setting].append(fit)
         lines.append(f"| {run.setting} | {run.seed} | {fit.a:.3g} | {fit.b:.3g} | {fit.r2:.2f} | "
                      f"{fit.fitted} / {fit.predicted} | {fit.mae_law:.3f} | {fit.mae_constant:.3f} | {fit.skill:.2f} |")
-    lines += ["", "| setting | runs | mean R² (fit) | mean skill | runs with skill > 0 |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "| setting | runs | mean R² (fit) | mean skill | runs with skill > 0 |",
+              "| --- | --- | --- | --- | --- |"]
     for setting, fits in by_setting.items():
         better = sum(f.skill > 0 for f in fits)
         lines.append(f"| {setting} | {len(fits)} | {mean([f.r2 for f in fits]):.2f} | "

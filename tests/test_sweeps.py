@@ -62,7 +62,8 @@ def test_single_run_experiment_runs_one_tiny_step(experiment, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("study", [pytest.param(s, marks=pytest.mark.vllm) if s == "real_engine" else s for s in STUDIES])
+@pytest.mark.parametrize("study", [pytest.param(s, marks=pytest.mark.vllm) if s == "real_engine" else s
+                                   for s in STUDIES])
 def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
     if study == "real_engine":  # rollouts from vLLM: make test-vllm runs it
         pytest.importorskip("vllm")
@@ -73,8 +74,8 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
                         tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = finished_runs(tmp_path / "sweep")
-    expected = {"paper_main": 5, "clip_range": 6, "group_size": 4, "length_norm": 2, "length_norm_long": 2, "objective_zoo": 16,
-                "objective_zoo_long": 16, "routing_replay": 6, "expert_volatility": 8, "off_policy": 4, "stability": 6,
+    expected = {"paper_main": 5, "clip_range": 6, "group_size": 4, "length_norm": 2, "length_norm_long": 2,
+                "objective_zoo": 16, "objective_zoo_long": 16, "routing_replay": 6, "expert_volatility": 8, "off_policy": 4, "stability": 6,
                 "precision": 4, "real_engine": 4, "entropy": 2}[study]
     assert len(runs) == expected
     assert all((run / "metrics.csv").is_file() for run in runs)

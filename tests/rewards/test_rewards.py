@@ -250,7 +250,8 @@ def test_a_calls_timeout_does_not_count_its_functions_imports(monkeypatch):
     monkeypatch.setenv("SLOW_IMPORT_S", "3")
     pool = GradingPool(num_workers=1, timeout_s=1.0)
     try:
-        assert [o.value for o in pool([(slow_import.length, ("abc",), {}), (slow_import.length, ("de",), {})])] == [3, 2]
+        outcomes = pool([(slow_import.length, ("abc",), {}), (slow_import.length, ("de",), {})])
+        assert [o.value for o in outcomes] == [3, 2]
     finally:
         pool.close()
 
