@@ -75,8 +75,8 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     runs = finished_runs(tmp_path / "sweep")
     expected = {"paper_main": 5, "clip_range": 6, "group_size": 4, "length_norm": 2, "length_norm_long": 2,
-                "objective_zoo": 16, "objective_zoo_long": 16, "routing_replay": 6, "expert_volatility": 8, "off_policy": 4, "stability": 6,
-                "precision": 4, "real_engine": 4, "entropy": 2}[study]
+                "objective_zoo": 16, "objective_zoo_long": 16, "routing_replay": 6, "expert_volatility": 8,
+                "off_policy": 4, "stability": 6, "precision": 4, "real_engine": 4, "entropy": 2}[study]
     assert len(runs) == expected
     assert all((run / "metrics.csv").is_file() for run in runs)
 
