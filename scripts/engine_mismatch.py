@@ -6,7 +6,7 @@ start, medians of mismatch/*, routing/rollout_disagreement* and (under r3) routi
         sft.eval_every=500 sft.eval_size=32 sft.batch_size=32 sft.max_new_tokens=80 sft.target_accuracy=1.0 \
         rollout.max_new_tokens=80                                      # long answers
     python scripts/engine_mismatch.py --steps 3 sft.enabled=false      # a random-init tiny MoE, seconds
-    .venv-vllm/bin/python scripts/engine_mismatch.py --doses default bf16 vllm vllm_bf16 model=small_moe
+    .venv-vllm/bin/python scripts/engine_mismatch.py model=small_moe --doses default bf16 vllm vllm_bf16
                                                                        # the real engine (vLLM) beside the simulated
 
 The vLLM doses (rollout.backend=vllm, fp32 or bf16 weights) need vLLM (make test-vllm builds .venv-vllm); without
