@@ -102,7 +102,8 @@ COMMITTED_STUDIES = {"paper_main": "algorithm=gspo", "routing_replay": "algorith
                      "length_norm": "objective.length_norm=True",
                      "off_policy": "train.minibatches=4",
                      "group_size": "rollout.group_size=8",
-                     "expert_volatility": "model.config.num_hidden_layers=4 train.lr=3e-05"}
+                     "expert_volatility": "model.config.num_hidden_layers=4 train.lr=3e-05",
+                     "real_engine": "algorithm=grpo rollout.logprobs_from_generation=False"}
 
 
 @pytest.mark.parametrize("study", sorted(COMMITTED_STUDIES))
