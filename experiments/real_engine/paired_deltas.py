@@ -39,4 +39,4 @@ for alg in ("gspo", "grpo"):
         print(alg, name, "tis-F:   ", paired(tis, F, table))
     print(alg, "sim lfg=T minus real lfg=T (logged evals; sim fp32, real bf16):", paired(sim, T, acc))
     if fp32 and (T, 4) in fp32:
-        print(alg, "sim lfg=T (fp32) minus real lfg=T (fp32):", paired(sim, T, {**acc, **{k: v for k, v in fp32.items()}}))
+        print(alg, "sim lfg=T (fp32) minus real lfg=T (fp32):", paired(sim, T, {**acc, **fp32}))

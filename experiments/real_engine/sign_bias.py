@@ -5,7 +5,8 @@ drops a sequence's gradient when s_i > 1 + 4e-4 with A_i > 0, or s_i < 1 - 3e-4 
 engine, the mean log s_i of positive- and negative-advantage sequences and the share of each whose gradient the
 clip drops on that first mini-batch.
 
-    GSPO_LAB_CACHE=<the study's cache> .venv-vllm/bin/python experiments/real_engine/sign_bias.py --steps 25 --seeds 0 1 2
+    GSPO_LAB_CACHE=<the study's cache> .venv-vllm/bin/python experiments/real_engine/sign_bias.py \
+        --steps 25 --seeds 0 1 2
 """
 
 from __future__ import annotations
