@@ -45,10 +45,11 @@ class RolloutCollection:
         if cfg.mask_truncated:
             loss_mask = loss_mask * (~completions.truncated)[:, None]
         # what an estimator may need beside the totals, on their device (the host: scores are computed there, the
-        # completions may be on the GPU); it names what it takes (`inputs`)
-        available = {"components": sampled.components, "weights": self.rewards.weights,
-                     "token_counts": loss_mask.sum(-1).to(rewards.device)}
-        inputs = {name: available[name] for name in getattr(self.advantage, "inputs", ())}
+        # completions may be on the GPU); built only where it names them (`inputs`): the token counts' copy to the
+        # host waits for the GPU
+        available = {"components": lambda: sampled.components, "weights": lambda: self.rewards.weights,
+                     "token_counts": lambda: loss_mask.sum(-1).to(rewards.device)}
+        inputs = {name: available[name]() for name in getattr(self.advantage, "inputs", ())}
         # a completion no reward function applied to (all None) takes no part in the update
         advantages = torch.where(sampled.applies, self.advantage(rewards, cfg.group_size, **inputs), 0.0)
         input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)
