@@ -101,6 +101,15 @@ class NarrowingLoadFilter(logging.Filter):
         return not str(record.msg).startswith("Attempted to load weight %s with dtype")
 
 
+def quiet_reloads() -> None:
+    """Silence what vLLM's in-place reload logs at every sync and that says nothing: a rotary embedding's missing
+    weights, and each weight cast to a lower engine dtype (`NarrowingLoadFilter`); once per process."""
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    loads = logging.getLogger("vllm.model_executor.models.utils")
+    if not any(isinstance(f, NarrowingLoadFilter) for f in loads.filters):
+        loads.addFilter(NarrowingLoadFilter())
+
+
 def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """The model's parameters as its checkpoint names them, one at a time (transformers' conversions reverted
     per parameter: a fused expert bank [E, 2I, H] becomes E gate and E up projections), for vLLM's loaders."""
@@ -202,6 +211,7 @@ class VLLMEngine:
                 gpu_memory_utilization=self.config.gpu_memory_utilization,
                 enable_prefix_caching=self.config.enable_prefix_caching,
             )
+        quiet_reloads()  # vLLM has configured its loggers by now
 
     def close(self) -> None:
         """Stop the engine and tear down vLLM's process groups (another engine in this process, the next job of a
@@ -224,11 +234,6 @@ class VLLMEngine:
         cache. Always: a fused optimizer step changes the weights without bumping their version counters."""
         if self.llm is None:
             self.start()
-        # a rotary embedding has no weights to load, which the reload warns about at every sync
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        loads = logging.getLogger("vllm.model_executor.models.utils")
-        if not any(isinstance(f, NarrowingLoadFilter) for f in loads.filters):
-            loads.addFilter(NarrowingLoadFilter())
         self.llm.collective_rpc(_reload, args=(checkpoint_weights(self.trainer_model),))
         self.llm.reset_prefix_cache()
 
