@@ -27,14 +27,21 @@ from tests.numerics import assert_rounding_close
 # --- the peers' code, written out --------------------------------------------------------------------------------
 
 
-def verl_rloo(scores: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """verl compute_rloo_outcome_advantage: r * n/(n-1) - mean * n/(n-1) per group; a group of one keeps r."""
-    scores = scores.clone()
+def verl_group_scores(scores: torch.Tensor, index: list[int]) -> tuple[dict, dict]:
+    """The id2score and id2mean both of verl's estimators build: each group's scores, and their mean (0 for a
+    group of one)."""
     id2score, id2mean = defaultdict(list), {}
     for i in range(len(scores)):
         id2score[index[i]].append(scores[i])
     for idx in id2score:
         id2mean[idx] = torch.mean(torch.stack(id2score[idx])) if len(id2score[idx]) > 1 else torch.tensor(0.0)
+    return id2score, id2mean
+
+
+def verl_rloo(scores: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """verl compute_rloo_outcome_advantage: r * n/(n-1) - mean * n/(n-1) per group; a group of one keeps r."""
+    scores = scores.clone()
+    id2score, id2mean = verl_group_scores(scores, index)
     for i in range(len(scores)):
         n = len(id2score[index[i]])
         if n > 1:
@@ -61,11 +68,7 @@ def verl_reinforce_plus_plus_baseline(token_level_rewards, response_mask, index)
     response, whitened over the response tokens, masked; [bs, T]."""
     response_length = token_level_rewards.shape[-1]
     scores = token_level_rewards.sum(dim=-1)
-    id2score, id2mean = defaultdict(list), {}
-    for i in range(len(scores)):
-        id2score[index[i]].append(scores[i])
-    for idx in id2score:
-        id2mean[idx] = torch.mean(torch.stack(id2score[idx])) if len(id2score[idx]) > 1 else torch.tensor(0.0)
+    _, id2mean = verl_group_scores(scores, index)
     for i in range(len(scores)):
         scores[i] = scores[i] - id2mean[index[i]]
     scores = scores.unsqueeze(-1).tile([1, response_length]) * response_mask

@@ -200,8 +200,9 @@ def test_prompts_too_many_to_prefill_in_one_step_are_served(compose, tmp_path):
     """experiment=bench_paper's 128 rows of about 115 prompt tokens exceed one scheduler step, so vLLM chunked
     their prefill and rewound a seeded CPU generator to discard a partial row's token, which CPU generators cannot
     (RuntimeError: CPU Generator does not use offset); on CPU each prompt is now prefilled whole."""
-    run, module, _ = build(compose(VLLM + ["experiment=bench_paper", "train.steps=1", "model.config.num_hidden_layers=2",
-                                           f"paths.output_dir={tmp_path}", "callbacks.progress.refresh_rate=0"]))
+    run, module, _ = build(compose(VLLM + ["experiment=bench_paper", "train.steps=1",
+                                           "model.config.num_hidden_layers=2", f"paths.output_dir={tmp_path}",
+                                           "callbacks.progress.refresh_rate=0"]))
     run.trainer.fit(module)
     assert module.history[0]["rollout/completions"] == 128 and module.history[0]["mismatch/kl"] < 1e-9
 

@@ -190,11 +190,12 @@ def token_logprobs(
 
     input_ids, attention_mask: [B, P + C]; returns two [B, C] tensors (log-probs carry the gradient when
     grad is enabled; the entropy only with `entropy_grad`, for the entropy bonus, else it is detached).
-    `share_prompts`: run each distinct prompt once (`shared_prompt_hidden`); routing recorders still get every row's experts, and replay gives each prompt the
-    experts of its first row (the caller checks that its rows agree); ignored for a model with activation
-    checkpointing (a block recomputed with a KV cache would append to it twice). `chunk_tokens` bounds the
-    (row, token) positions of one chunk's logits (None: whole rows); a chunk that fits in it is the one a
-    row-only chunking computes, so values are the same bit for bit, and smaller chunks agree to float rounding.
+    `share_prompts`: run each distinct prompt once (`shared_prompt_hidden`); routing recorders still get every
+    row's experts, and replay gives each prompt the experts of its first row (the caller checks that its rows
+    agree); ignored for a model with activation checkpointing (a block recomputed with a KV cache would append to
+    it twice). `chunk_tokens` bounds the (row, token) positions of one chunk's logits (None: whole rows); a chunk
+    that fits in it is the one a row-only chunking computes, so values are the same bit for bit, and smaller
+    chunks agree to float rounding.
     """
     decoder = decoder_of(model)
     head = model.get_output_embeddings()
