@@ -18,6 +18,9 @@ the call to transformers' `grouped_mm` unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_linear, grouped_mm_experts_forward
@@ -45,3 +48,26 @@ def index_add_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_
 
 
 ALL_EXPERTS_FUNCTIONS.register(NAME, index_add_experts_forward)
+
+
+@contextmanager
+def recorded_kernels() -> Iterator[list[tuple[str, int]]]:
+    """Meanwhile every call of a registered experts kernel appends (its name, the tokens it ran on) to the list
+    yielded, then runs the kernel: which kernel each phase of `generate` runs (a prefill's call has the prompt
+    tokens of every row, a decode step's one token per row). A diagnostic for tests and scripts/gpu_check.py."""
+    calls: list[tuple[str, int]] = []
+    saved = dict(ALL_EXPERTS_FUNCTIONS.items())
+
+    def recording(name, kernel):
+        def run(module, hidden_states, *args, **kwargs):
+            calls.append((name, hidden_states.shape[0]))
+            return kernel(module, hidden_states, *args, **kwargs)
+        return run
+
+    for name, kernel in saved.items():
+        ALL_EXPERTS_FUNCTIONS.register(name, recording(name, kernel))
+    try:
+        yield calls
+    finally:
+        for name, kernel in saved.items():
+            ALL_EXPERTS_FUNCTIONS.register(name, kernel)

@@ -27,10 +27,15 @@ from transformers import (
     TemperatureLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
 from gspo_lab.decoder import decoder_of
 from gspo_lab.routing.hooks import CallView, call_view
 from gspo_lab.sharding import is_sharded
+
+# transformers' grouped_mm under a name of its own, which generate's decode steps do not swap (experts_kernel_kept)
+KEPT_GROUPED_MM = "grouped_mm_kept"
+ALL_EXPERTS_FUNCTIONS.register(KEPT_GROUPED_MM, grouped_mm_experts_forward)
 
 
 @dataclass
@@ -105,6 +110,7 @@ def generate(
     stop_token_ids: Sequence[int] = (),
     add_special_tokens: bool = True,
     row_seeds: Tensor | None = None,
+    decode_experts_kernel: str = "keep",
 ) -> Completions:
     """Generate one completion per prompt (repeat prompts for groups), in eval mode. No top-k truncation is
     applied, so samples come from softmax(logits / temperature), optionally nucleus-filtered by `top_p`, and from
@@ -120,7 +126,11 @@ def generate(
     an FSDP-sharded model, whose ranks must make the same decoder calls).
     A completion ends at its first stop token (`stop_ids`: the tokenizer's EOS, every EOS of the checkpoint's
     generation config, and `stop_token_ids`), which it keeps. `add_special_tokens=False` for prompts already
-    rendered by a chat template, which hold their own special tokens (TRL tokenizes them so too)."""
+    rendered by a chat template, which hold their own special tokens (TRL tokenizes them so too).
+    `decode_experts_kernel`: "keep" (an MoE's experts run the model's own kernel in every phase;
+    `experts_kernel_kept`) or "transformers" (transformers' choice: `batched_mm` in the decode steps on a GPU)."""
+    if decode_experts_kernel not in ("keep", "transformers"):
+        raise ValueError(f"generate: decode_experts_kernel={decode_experts_kernel!r}; use 'keep' or 'transformers'")
     sharded = is_sharded(model)
     stop = stop_ids(tokenizer, model, stop_token_ids)
     sampler = None
@@ -131,9 +141,31 @@ def generate(
             raise ValueError(f"generate: {len(row_seeds)} row_seeds for {len(prompts)} prompts; give one per prompt")
         sampler = RowSampler(row_seeds, max_new_tokens, temperature, top_p)
     with torch.no_grad() if sharded else torch.inference_mode():
-        completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, suppress_eos,
-                              return_logprobs, share_prompts, sharded, stop, add_special_tokens)
+        kernel = experts_kernel_kept(model) if decode_experts_kernel == "keep" else nullcontext()
+        with kernel:
+            completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, suppress_eos,
+                                  return_logprobs, share_prompts, sharded, stop, add_special_tokens)
     return completions.cloned()
+
+
+@contextmanager
+def experts_kernel_kept(model: PreTrainedModel):
+    """Meanwhile an MoE's experts run the model's own kernel in every phase of `generate`. transformers'
+    `generate` (5.x, `GenerationMixin._optimize_model_for_decode`) swaps every `grouped_mm` experts kernel for
+    `batched_mm` during the decode steps on any device but the CPU. `batched_mm` copies the weights of each
+    (token, expert) pair's expert: on bench_gpu (256 rows, top-4 of 16 experts, 3 MiB of bf16 weights per expert
+    and layer, 12 layers) about 36 GiB copied and read again per decode step, where `grouped_mm` reads each of
+    the 192 expert-layers once (576 MiB). An RL rollout decodes hundreds of rows at once, so here `grouped_mm`
+    stays: under another name, `KEPT_GROUPED_MM` (the same function), which the swap does not match. Other kernels (index_add, eager) are never swapped and stay as they are."""
+    current = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else {}
+    if "grouped_mm" not in current.values():
+        yield
+        return
+    model.set_experts_implementation({k: KEPT_GROUPED_MM if v == "grouped_mm" else v for k, v in current.items()})
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(current)
 
 
 def draw_row_seeds(rows: int) -> Tensor:
