@@ -156,7 +156,8 @@ def experts_kernel_kept(model: PreTrainedModel):
     (token, expert) pair's expert: on bench_gpu (256 rows, top-4 of 16 experts, 3 MiB of bf16 weights per expert
     and layer, 12 layers) about 36 GiB copied and read again per decode step, where `grouped_mm` reads each of
     the 192 expert-layers once (576 MiB). An RL rollout decodes hundreds of rows at once, so here `grouped_mm`
-    stays: under another name, `KEPT_GROUPED_MM` (the same function), which the swap does not match. Other kernels (index_add, eager) are never swapped and stay as they are."""
+    stays: under another name, `KEPT_GROUPED_MM` (the same function), which the swap does not match. Other
+    kernels (index_add, eager) are never swapped and stay as they are."""
     current = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else {}
     if "grouped_mm" not in current.values():
         yield
