@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q $(TORCH)
-	$(PYTHON) -m pip install -q -e ".[dev]"
+	$(PYTHON) -m pip install -q -e ".[dev,bench]"  # bench: TRL, for scripts/bench_vs_trl.py and gpu_check.py
 	touch $(STAMP)
 
 # Runs the default experiment (GSPO, tiny MoE, 3-digit addition, CPU); Hydra overrides via ARGS="seed=1".

@@ -35,7 +35,7 @@ per_device_train_batch_size = the same rows with gradient_accumulation_steps to 
 `--paired` times gspo-lab against its floor alone, their steps alternated one by one in one process per round
 (`time_paired`): this CPU's speed moves 20-40% between runs a minute apart, which separate processes cannot tell
 from a difference between the sides; the paired ratio can.
-Needs the `bench` extra: pip install -e ".[bench]".
+Its TRL runs need the `bench` extra (pip install -e ".[bench]"); without it the script times gspo-lab and its floor.
 
     python scripts/bench_vs_trl.py --steps 8 --rounds 3
     python scripts/bench_vs_trl.py --workload bench_vocab --steps 4 --rounds 1 --lengths 128 256 512 1024
@@ -49,6 +49,7 @@ Needs the `bench` extra: pip install -e ".[bench]".
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import statistics
@@ -60,11 +61,9 @@ from collections.abc import Callable
 
 import lightning as L
 import torch
-from datasets import Dataset
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from transformers import DynamicCache, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.rollout.generation import generate, position_ids, prefill_distinct_prompts
@@ -237,6 +236,9 @@ def time_paired(workload: str, steps: int, warmup: int, overrides: list[str], tr
 def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str | None, trainer: list[str],
              peaks: PhasePeaks) -> float:
     """TRL's seconds per RL step; `experts`: the MoE expert kernel (None for a dense model)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
     kernel = [f"model.experts_implementation={experts}"] if experts else []
     with tempfile.TemporaryDirectory() as out:
         cfg = workload_config(workload, out, steps, [*kernel, *trainer])
@@ -321,9 +323,13 @@ def child(side: str, length: int | None, seed: int, args) -> dict[str, float]:
 
 
 def sides_of(workload: str) -> list[str]:
-    """gspo-lab, its floor and TRL, twice for a MoE model (transformers' expert kernel and gspo-lab's)."""
+    """gspo-lab, its floor and TRL, twice for a MoE model (transformers' expert kernel and gspo-lab's); without
+    TRL installed (the `bench` extra) the first two, said on stdout."""
     with tempfile.TemporaryDirectory() as out:
         moe = is_moe(instantiate(workload_config(workload, out, 1).model).skeleton())
+    if importlib.util.find_spec("trl") is None:
+        print("TRL is not installed (pip install -e '.[bench]'): gspo-lab and its floor only", flush=True)
+        return ["gspo-lab", "floor"]
     return ["gspo-lab", "floor"] + (["TRL grouped_mm", "TRL index_add"] if moe else ["TRL"])
 
 

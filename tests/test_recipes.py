@@ -5,7 +5,6 @@ planned (the checks a run makes before loading weights), and the GPU memory its 
 gspo_lab.memory for the hub model's shape."""
 
 import csv
-import json
 import os
 import re
 import subprocess
@@ -22,7 +21,7 @@ from gspo_lab.memory import GB, ModelShape, estimate_memory
 from gspo_lab.rewards import math_accuracy
 from gspo_lab.tasks import HFDataset
 from gspo_lab.train import plan, warn_inexact_old_logprobs
-from tests.chat_model import save_chat_model, word_problems, write_jsonl
+from tests.chat_model import recipe_stand_ins
 from tests.conftest import compose_config
 
 RECIPES = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("recipe_*.yaml"))
@@ -53,40 +52,10 @@ def sweep_jobs(recipe: str) -> list[list[str]]:
 JOBS = [(recipe, job) for recipe in RECIPES for job in sweep_jobs(recipe) + ARMS.get(recipe, [])]
 
 
-def data_files(folder: Path, rows: list[dict], held_out: list[dict]) -> str:
-    files = {"train": str(write_jsonl(folder / "train.jsonl", rows)),
-             "test": str(write_jsonl(folder / "test.jsonl", held_out))}
-    return "task.data_files=" + json.dumps(files).replace('"', "")
-
-
-def math_rows(n: int, seed: int) -> list[dict]:
-    boxed = ", so the answer is $\\boxed{"
-    return [{"problem": r["question"], "solution": r["answer"].replace("\n#### ", boxed) + "}$"}
-            for r in word_problems(n, seed)]
-
-
-def dapo_rows(n: int, seed: int) -> list[dict]:
-    return [{"data_source": "math_dapo", "prompt": [{"role": "user", "content": r["question"]}],
-             "reward_model": {"ground_truth": r["answer"].split("#### ")[1], "style": "rule"}}
-            for r in word_problems(n, seed)]
-
-
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory) -> dict[str, list[str]]:
     """Per recipe, the overrides that point it at tiny local stand-ins of its model and data on CPU."""
-    root = tmp_path_factory.mktemp("recipes")
-    dense, moe = save_chat_model(root / "dense"), save_chat_model(root / "moe", moe=True)
-    (root / "gsm8k").mkdir(), (root / "math").mkdir()
-    return {
-        "recipe_gsm8k": [f"model.path={dense}", "trainer=cpu", "task.path=json", "task.name=null",
-                         data_files(root / "gsm8k", word_problems(40), word_problems(10, seed=1))],
-        "recipe_fp16_sanity": [f"model.path={dense}", "trainer=cpu", "task.path=json",
-                               data_files(root / "math", math_rows(40, 0), math_rows(10, 1))],
-        # each prompt three times, as the hub copy repeats them
-        "recipe_math_moe": [f"model.path={moe}", "trainer.accelerator=cpu", "trainer.devices=2",
-                            "trainer.precision=32-true",
-                            f"task.path={write_jsonl(root / 'dapo.jsonl', dapo_rows(60, 0) * 3)}"],
-    }
+    return recipe_stand_ins(tmp_path_factory.mktemp("recipes"))
 
 
 def test_every_recipe_has_stand_ins_and_a_header(stand_ins):

@@ -68,3 +68,22 @@ def test_an_unknown_decode_kernel_choice_is_refused():
     model, tokenizer = tiny_moe("grouped_mm")
     with pytest.raises(ValueError, match="decode_experts_kernel='fast'.*'keep' or 'transformers'"):
         rollout(model, tokenizer, decode_experts_kernel="fast")
+
+
+def test_a_static_cache_samples_the_dynamic_caches_tokens():
+    """transformers' preallocated cache (what `generate` compiles on a GPU) decodes the same tokens from the same
+    row seeds; its attention runs over the padded cache, so log-probs agree to float32 rounding."""
+    model, tokenizer = tiny_moe("grouped_mm")
+    caches = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: caches.append(type(kwargs["past_key_values"]).__name__),
+                                    with_kwargs=True)
+    dynamic = rollout(model, tokenizer)
+    assert set(caches) == {"DynamicCache"}
+    caches.clear()
+    static = rollout(model, tokenizer, cache_implementation="static")
+    assert set(caches) == {"StaticCache"}
+    assert torch.equal(dynamic.completion_ids, static.completion_ids)
+    # |log p| <= ~5 here: float32 rounding of a log-softmax over sums of O(10) terms, with a wide margin
+    torch.testing.assert_close(static.logprobs, dynamic.logprobs, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="cache_implementation='static' with share_prompts=True"):
+        rollout(model, tokenizer, cache_implementation="static", share_prompts=True)

@@ -111,6 +111,7 @@ def generate(
     add_special_tokens: bool = True,
     row_seeds: Tensor | None = None,
     decode_experts_kernel: str = "keep",
+    cache_implementation: str | None = None,
 ) -> Completions:
     """Generate one completion per prompt (repeat prompts for groups), in eval mode. No top-k truncation is
     applied, so samples come from softmax(logits / temperature), optionally nucleus-filtered by `top_p`, and from
@@ -128,9 +129,15 @@ def generate(
     generation config, and `stop_token_ids`), which it keeps. `add_special_tokens=False` for prompts already
     rendered by a chat template, which hold their own special tokens (TRL tokenizes them so too).
     `decode_experts_kernel`: "keep" (an MoE's experts run the model's own kernel in every phase;
-    `experts_kernel_kept`) or "transformers" (transformers' choice: `batched_mm` in the decode steps on a GPU)."""
+    `experts_kernel_kept`) or "transformers" (transformers' choice: `batched_mm` in the decode steps on a GPU).
+    `cache_implementation`: transformers' KV cache, e.g. "static" (preallocated; on a GPU `generate` then compiles
+    the decode forward itself); None: its dynamic cache. Not with `share_prompts`, whose prefill builds a dynamic
+    cache."""
     if decode_experts_kernel not in ("keep", "transformers"):
         raise ValueError(f"generate: decode_experts_kernel={decode_experts_kernel!r}; use 'keep' or 'transformers'")
+    if cache_implementation is not None and share_prompts:
+        raise ValueError(f"generate: cache_implementation={cache_implementation!r} with share_prompts=True; the "
+                         "shared prefill builds a dynamic cache, so give one or the other")
     sharded = is_sharded(model)
     stop = stop_ids(tokenizer, model, stop_token_ids)
     sampler = None
@@ -144,7 +151,8 @@ def generate(
         kernel = experts_kernel_kept(model) if decode_experts_kernel == "keep" else nullcontext()
         with kernel:
             completions = _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, suppress_eos,
-                                  return_logprobs, share_prompts, sharded, stop, add_special_tokens)
+                                  return_logprobs, share_prompts, sharded, stop, add_special_tokens,
+                                  cache_implementation)
     return completions.cloned()
 
 
@@ -404,10 +412,11 @@ class StepLogprobs:
 
 
 def _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, suppress_eos,
-            return_logprobs, share_prompts, sharded, stop, add_special_tokens) -> Completions:
+            return_logprobs, share_prompts, sharded, stop, add_special_tokens, cache_implementation) -> Completions:
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
     config = sampling_config(tokenizer, max_new_tokens, stop)
+    config.cache_implementation = cache_implementation
     processors = ([SuppressTokens(stop)] if suppress_eos else []) + ([sampler] if sampler else [])
     was_training = model.training
     model.eval()
