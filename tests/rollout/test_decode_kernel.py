@@ -75,8 +75,11 @@ def test_a_static_cache_samples_the_dynamic_caches_tokens():
     row seeds; its attention runs over the padded cache, so log-probs agree to float32 rounding."""
     model, tokenizer = tiny_moe("grouped_mm")
     caches = []
-    model.register_forward_pre_hook(lambda _, args, kwargs: caches.append(type(kwargs["past_key_values"]).__name__),
-                                    with_kwargs=True)
+
+    def cache_of(_, args, kwargs):  # transformers 5.24 names it `cache`, earlier 5.x `past_key_values`
+        caches.append(type(kwargs.get("cache", kwargs.get("past_key_values"))).__name__)
+
+    model.register_forward_pre_hook(cache_of, with_kwargs=True)
     dynamic = rollout(model, tokenizer)
     assert set(caches) == {"DynamicCache"}
     caches.clear()
