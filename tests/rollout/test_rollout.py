@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import PromptSchedule, generate, token_logprobs
@@ -131,7 +132,7 @@ def test_a_vocabulary_within_one_block_draws_what_the_two_level_search_draws(voc
     columns += [torch.zeros(64, dtype=torch.float64), torch.full((64,), 1 - 2**-53, dtype=torch.float64),
                 cdf[:, vocab // 2] / cdf[:, -1]]
     for u in columns:
-        assert torch.equal(inverse_cdf(probs, u), generation._two_levels(probs, u, vocab))
+        assert torch.equal(inverse_cdf(probs, u), generation._two_levels(probs, u, vocab)[0])
     with pytest.raises(ValueError, match=r"rows \[1\] have no finite positive probability mass"):
         inverse_cdf(torch.stack([probs[0], torch.zeros(vocab)]), torch.zeros(2))
 
@@ -241,3 +242,35 @@ def test_prompt_schedule_shards_whole_prompts_by_rank():
     shards = [schedule.for_step(3, rank, 2) for rank in (0, 1)]
     assert shards[0] + shards[1] == step and not set(e.prompt for e in shards[0]) & set(e.prompt for e in shards[1])
     assert schedule.for_step(3) == step and schedule.for_step(4) != step
+
+
+class HostWaits(TorchDispatchMode):
+    """Counts the operations that make the host wait for the device (a tensor read as a Python bool or number)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.is_nonzero.default, torch.ops.aten._local_scalar_dense.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("vocab", [99, 3000])  # one block, and the two-level search
+def test_the_row_sampler_never_waits_for_the_device_and_names_a_row_without_mass_after_generate(vocab):
+    """A decode step of generate already waits for the device (its stopping check); the sampler adds no wait of
+    its own per step: a row without probability mass is named once, by check() after generate."""
+    sampler = RowSampler(torch.arange(3), steps=4, temperature=1.0, top_p=1.0)
+    scores = torch.randn(3, vocab)
+    scores[1] = float("nan")
+    with HostWaits() as waits:
+        for _ in range(4):
+            tokens = sampler(None, scores.clone()).argmax(-1)
+    assert waits.count == 0
+    assert ((tokens >= 0) & (tokens < vocab)).all()  # a row without mass still gets a token of the vocabulary
+    with pytest.raises(ValueError, match=r"sampling: rows \[1\] have no finite positive probability mass"):
+        sampler.check()
+    healthy = RowSampler(torch.arange(3), steps=4, temperature=1.0, top_p=1.0)
+    healthy(None, torch.randn(3, vocab))
+    healthy.check()

@@ -274,6 +274,14 @@ class RowSampler(LogitsProcessor):
         self.warpers = ([TemperatureLogitsWarper(float(temperature))] if temperature != 1 else []) + \
             ([TopPLogitsWarper(float(top_p))] if top_p < 1 else [])  # x / 1 is x: a temperature of 1 changes nothing
         self.step = 0
+        self.missing: Tensor | None = None  # [N] bool: rows that had no probability mass at some step
+
+    def check(self) -> None:
+        """After generate: ValueError naming the rows that had no probability mass to sample from at some step
+        (they got a token within the vocabulary meanwhile). Checked once per call, not at every decode step:
+        one wait for the device instead of one per step besides generate's own."""
+        if self.missing is not None:
+            _raise_if_missing(self.missing)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         for warper in self.warpers:
@@ -282,7 +290,8 @@ class RowSampler(LogitsProcessor):
             self.uniforms = self.uniforms.to(scores.device)
         u = self.uniforms[:, min(self.step, self.uniforms.shape[1] - 1)]  # [N]; FSDP's synced steps reuse the last
         self.step += 1
-        tokens = inverse_cdf(scores.float().softmax(-1), u)  # [N]
+        tokens, missing = _search(scores.float().softmax(-1), u)  # [N], [N]: no wait for the device here
+        self.missing = missing if self.missing is None else self.missing | missing
         # generate's own [N, V] scores, a fresh copy every step, overwritten: one pass less than a new tensor
         return scores.fill_(-math.inf).scatter_(-1, tokens[:, None], 0.0)
 
@@ -326,15 +335,26 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
     >>> inverse_cdf(probs, torch.tensor([0.6, 0.2, 1.0]), block=2).tolist()  # blocks [0, 1] and [2]: the same
     [1, 0, 1]
     """
+    tokens, missing = _search(probs, u, block)
+    _raise_if_missing(missing)
+    return tokens
+
+
+def _search(probs: Tensor, u: Tensor, block: int = 1024) -> tuple[Tensor, Tensor]:
+    """`inverse_cdf` without its check: the tokens [N] (within the vocabulary also for a row without mass) and
+    which rows had no finite positive probability mass [N] bool, with no wait for the device."""
     if probs.shape[1] <= block:  # one block: the same tokens, a third of the operations (no block search or gather)
-        return _one_block(probs, u)
-    return _two_levels(probs, u, block)
+        tokens, total = _one_block(probs, u)
+    else:
+        tokens, total = _two_levels(probs, u, block)
+    missing = ~(torch.isfinite(total[:, -1]) & (total[:, -1] > 0))  # [N]
+    return tokens.clamp(0, probs.shape[1] - 1), missing
 
 
-def _one_block(probs: Tensor, u: Tensor) -> Tensor:
+def _one_block(probs: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     """`_two_levels` with a single block of the whole vocabulary, whose block search always picks block 0."""
-    total = _checked_total(probs.reshape(len(probs), 1, -1).sum(-1).double())  # [N, 1], as _two_levels sums
-    return _first_past(probs.double().cumsum(-1), u[:, None].to(total) * total).squeeze(-1)
+    total = probs.reshape(len(probs), 1, -1).sum(-1).double()  # [N, 1], as _two_levels sums
+    return _first_past(probs.double().cumsum(-1), u[:, None].to(total) * total).squeeze(-1), total
 
 
 def _first_past(cdf: Tensor, target: Tensor) -> Tensor:
@@ -344,24 +364,21 @@ def _first_past(cdf: Tensor, target: Tensor) -> Tensor:
                          torch.searchsorted(cdf, cdf[:, -1:].contiguous()))
 
 
-def _checked_total(total: Tensor) -> Tensor:
-    """`total` [N, 1], each row's probability mass; ValueError naming the rows with none."""
-    empty = ~(torch.isfinite(total[:, -1]) & (total[:, -1] > 0))  # [N]
-    if bool(empty.any()):  # one wait for the device per decode step, as generate's own stopping check makes
-        raise ValueError(f"sampling: rows {empty.nonzero().flatten().tolist()} have no finite positive probability "
+def _raise_if_missing(missing: Tensor) -> None:
+    """ValueError naming the rows of `missing` [N] bool, those with no probability mass (a wait for the device)."""
+    if bool(missing.any()):
+        raise ValueError(f"sampling: rows {missing.nonzero().flatten().tolist()} have no finite positive probability "
                          "mass (NaN or infinite logits, or every token suppressed)")
-    return total
 
 
-def _two_levels(probs: Tensor, u: Tensor, block: int) -> Tensor:
-    """`inverse_cdf`'s two-level search; `block` at most the vocabulary."""
+def _two_levels(probs: Tensor, u: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """`inverse_cdf`'s two-level search; `block` at most the vocabulary. The tokens [N] and each row's mass [N, 1]."""
     rows, vocab = probs.shape
     whole = vocab - vocab % block
     sums = [probs[:, :whole].reshape(rows, -1, block).sum(-1)] if whole else []  # [N, V // b]
     if whole < vocab:
         sums.append(probs[:, whole:].sum(-1, keepdim=True))  # the shorter last block
     before = torch.cat(sums, 1).double().cumsum(-1)  # [N, blocks]: the mass up to the end of each block
-    _checked_total(before[:, -1:])
     target = u[:, None].to(before) * before[:, -1:]  # [N, 1] u · total
     chosen = _first_past(before, target)  # the block where the mass crosses the target
     start = chosen * block  # [N, 1]
@@ -369,7 +386,7 @@ def _two_levels(probs: Tensor, u: Tensor, block: int) -> Tensor:
     inside = probs.gather(1, columns.clamp(max=vocab - 1)).masked_fill(columns >= vocab, 0.0)  # [N, b]
     offset = torch.where(chosen > 0, before.gather(1, (chosen - 1).clamp(min=0)), 0.0)  # [N, 1] mass before it
     cdf = offset + inside.double().cumsum(-1)  # [N, b]
-    return (start + _first_past(cdf, target)).squeeze(-1)
+    return (start + _first_past(cdf, target)).squeeze(-1), before[:, -1:]
 
 
 class StepLogprobs:
@@ -433,6 +450,8 @@ def _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, sup
         output = model.generate(**encoded, generation_config=config, synced_gpus=synced, **prefilled,
                                 logits_processor=LogitsProcessorList(processors))
     model.train(was_training)
+    if sampler is not None:
+        sampler.check()
     prompt_len = encoded["input_ids"].shape[1]
     completion_ids = output.sequences[:, prompt_len:]
     logprobs = None if step_logprobs is None else step_logprobs.of(completion_ids)
