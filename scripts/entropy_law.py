@@ -1,6 +1,7 @@
 """The entropy law R = -a·exp(H) + b (The Entropy Mechanism, arXiv 2505.22617) fitted on each run's first steps
 and asked for the rest (gspo_lab.report.entropy_law): one markdown table per run, then per setting the mean over
-seeds of the fit's R² and of the prediction's skill against the first part's mean reward.
+seeds of the fit's R² and of the prediction's skill against the first part's mean reward and against its trend
+(the reward's straight line over the first part's steps, extended).
 
     python scripts/entropy_law.py /tmp/studies/entropy                 # every run under the folder(s)
     python scripts/entropy_law.py /tmp/studies/entropy --fraction 0.5 --out experiments/entropy/entropy_law.md
@@ -30,20 +31,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the tables to this markdown file")
     args = parser.parse_args()
     study = discover(args.dirs)
-    lines = ["| setting | seed | a | b | R² (fit) | steps fitted / predicted | MAE law | MAE constant | skill |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| setting | seed | a | b | R² (fit) | steps fitted / predicted | MAE law | MAE constant | skill | "
+             "MAE trend | skill vs trend |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by_setting = defaultdict(list)
     for run in sorted((r for r in study.runs if not r.failed), key=lambda r: (r.setting, r.seed or 0)):
         fit = run_law(run.path, args.fraction)
         by_setting[run.setting].append(fit)
         lines.append(f"| {run.setting} | {run.seed} | {fit.a:.3g} | {fit.b:.3g} | {fit.r2:.2f} | "
-                     f"{fit.fitted} / {fit.predicted} | {fit.mae_law:.3f} | {fit.mae_constant:.3f} | {fit.skill:.2f} |")
-    lines += ["", "| setting | runs | mean R² (fit) | mean skill | runs with skill > 0 |",
-              "| --- | --- | --- | --- | --- |"]
+                     f"{fit.fitted} / {fit.predicted} | {fit.mae_law:.3f} | {fit.mae_constant:.3f} | {fit.skill:.2f} | "
+                     f"{fit.mae_trend:.3f} | {fit.skill_trend:.2f} |")
+    lines += ["", "| setting | runs | mean R² (fit) | mean skill | runs with skill > 0 | mean skill vs trend | "
+              "runs with skill vs trend > 0 |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for setting, fits in by_setting.items():
         better = sum(f.skill > 0 for f in fits)
         lines.append(f"| {setting} | {len(fits)} | {mean([f.r2 for f in fits]):.2f} | "
-                     f"{mean([f.skill for f in fits]):.2f} | {better} |")
+                     f"{mean([f.skill for f in fits]):.2f} | {better} | {mean([f.skill_trend for f in fits]):.2f} | "
+                     f"{sum(f.skill_trend > 0 for f in fits)} |")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:

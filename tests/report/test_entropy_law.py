@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 
 from gspo_lab.report.entropy_law import fit_and_predict, fit_law, run_law
@@ -26,6 +27,21 @@ def test_a_law_is_recovered_and_predicts_the_rest_exactly():
     constant = sum(reward[:4]) / 4
     assert fit.mae_constant == pytest.approx(sum(abs(r - constant) for r in reward[4:]) / 4, abs=1e-15)
     assert fit.skill == pytest.approx(1.0, abs=1e-10)
+    line = numpy.polyfit(range(4), reward[:4], 1)  # the trend: reward against step on the first half
+    assert fit.mae_trend == pytest.approx(numpy.mean(numpy.abs(numpy.polyval(line, range(4, 8)) - reward[4:])))
+    assert fit.skill_trend == pytest.approx(1.0, abs=1e-9)
+
+
+def test_a_reward_that_only_follows_time_is_better_predicted_by_the_trend():
+    """Reward 0, 0.1, 0.2 on the first three steps (the trend: 0.1 per step), then 0.3, 0.4, 0.5, while the entropy
+    falls then comes back: the law (fitted on e^H against R) misses, the trend is exact (to rounding), and its skill
+    against the trend is below 0."""
+    fit = fit_and_predict([1.0, 0.9, 0.8, 0.9, 1.0, 0.9], [0.0, 0.1, 0.2, 0.3, 0.4, 0.5], 0.5)
+    assert fit.mae_trend == pytest.approx(0.0, abs=1e-12)
+    assert fit.mae_constant == pytest.approx((0.2 + 0.3 + 0.4) / 3)  # against the first half's mean 0.1
+    assert fit.mae_law > 0.1 and fit.skill_trend < 0
+    nearly = fit_and_predict([1.0, 0.9, 0.8, 0.9, 1.0, 0.9], [0.0, 0.1, 0.2, 0.3, 0.4, 0.6], 0.5)
+    assert nearly.mae_trend == pytest.approx(0.1 / 3) and nearly.skill_trend < 0
 
 
 def test_the_least_squares_fit_of_three_points_by_hand():

@@ -6,7 +6,10 @@ asked for the rest from their entropies alone.
 The paper fits validation accuracy at each evaluation; a run here evaluates held-out accuracy a few times only, so
 the fit takes each step's mean sampled reward (`reward/mean`) against the step's mean token entropy (`entropy`),
 both logged by every run. A prediction is judged against the constant that knows no law: the first part's mean
-reward. `skill` = 1 - MAE(law) / MAE(constant): above 0 the law predicts better than no law, 1 is perfect.
+reward. `skill` = 1 - MAE(law) / MAE(constant): above 0 the law predicts better than no law, 1 is perfect. A
+reward that rises over the run beats the constant with any rising curve, so the law is also judged against the
+trend that knows no entropy: the least-squares line of reward against step on the first part, extended
+(`skill_trend` = 1 - MAE(law) / MAE(trend)); above 0 the entropy says more about the later reward than time does.
 
     python scripts/entropy_law.py /tmp/studies/entropy --fraction 0.5
 """
@@ -34,11 +37,17 @@ class LawFit:
     predicted: int
     mae_law: float
     mae_constant: float
+    mae_trend: float
 
     @property
     def skill(self) -> float:
         """1 - MAE(law) / MAE(constant); NaN where the constant is exact."""
         return 1 - self.mae_law / self.mae_constant if self.mae_constant > 0 else math.nan
+
+    @property
+    def skill_trend(self) -> float:
+        """1 - MAE(law) / MAE(trend); NaN where the trend is exact."""
+        return 1 - self.mae_law / self.mae_trend if self.mae_trend > 0 else math.nan
 
 
 def fit_law(entropy: list[float], reward: list[float]) -> tuple[float, float, float]:
@@ -76,7 +85,13 @@ def fit_and_predict(entropy: list[float], reward: list[float], fraction: float =
     constant = sum(reward[:cut]) / cut
     mae_law = sum(abs(r - (b - a * math.exp(h))) for h, r in later) / len(later)
     mae_constant = sum(abs(r - constant) for _, r in later) / len(later)
-    return LawFit(a, b, r2, cut, len(later), mae_law, mae_constant)
+    steps = range(cut)  # the trend: reward against the step's index, least squares on the first part
+    mean_step = sum(steps) / cut
+    slope = sum((i - mean_step) * (r - constant) for i, r in zip(steps, reward)) / sum((i - mean_step) ** 2
+                                                                                       for i in steps)
+    mae_trend = sum(abs(r - (constant + slope * (i - mean_step)))
+                    for i, r in enumerate(reward[cut:], start=cut)) / len(later)
+    return LawFit(a, b, r2, cut, len(later), mae_law, mae_constant, mae_trend)
 
 
 def run_law(run_dir: Path, fraction: float = 0.5) -> LawFit:
