@@ -7,9 +7,10 @@ what finished), with the device, the versions and the commit.
 Steps, in order (`--only` / `--skip` take their names):
   environment     device, driver, versions, commit
   matmul          the MFU yardstick: 8,192^3 bf16 matmuls (TFLOP/s)
-  decode          which MoE expert kernel each phase of `generate` runs, and ms per decode step on bench_gpu's
-                  256 rows against the floor's (the model called directly): gspo-lab's kept kernel, transformers'
-                  swap to batched_mm, and transformers' static KV cache (which `generate` compiles on a GPU)
+  decode          which MoE expert kernel each phase of `generate` runs, and ms per decode step against the
+                  floor's (the model called directly) on bench_gpu (256 rows) and bench_vocab (8 rows, 152k
+                  vocabulary, 256 tokens): gspo-lab's kept kernel, transformers' swap to batched_mm, and
+                  transformers' static KV cache (which `generate` compiles on a GPU)
   bench_gpu       scripts/bench_vs_trl.py: gspo-lab, its floor and TRL (both expert kernels), alternated rounds
   vocab_timing    bench_vocab at 256 tokens, per step, as bench_vs_trl times it and as a plain run logs it (the
                   10.8 s against 2.6-2.9 s of 2026-11-25)
@@ -169,18 +170,27 @@ def matmul(settings: Settings, timeout: float) -> str:
 
 
 def decode(settings: Settings, timeout: float) -> str:
-    """Kernels per phase and ms per decode step of gspo-lab's generate (three ways) and of the floor."""
+    """Kernels per phase and ms per decode step of gspo-lab's generate and of the floor, on bench_gpu's MoE (256
+    rows, 128 tokens) and on bench_vocab's 152k vocabulary (8 rows, 256 tokens: the 2x of 2026-11-25)."""
+    vocab_length = "rollout.max_new_tokens=32" if settings.tiny else "rollout.max_new_tokens=256"
+    return (decode_table(settings, "bench_gpu", ["rollout.max_new_tokens=32"] if settings.tiny else [])
+            + "\n" + decode_table(settings, "bench_vocab", [vocab_length]))
+
+
+def decode_table(settings: Settings, workload: str, overrides: list[str]) -> str:
+    """`decode` on one workload: gspo-lab's generate three ways (an MoE's kept kernel, transformers' decode kernel,
+    a static cache; the second only for an MoE), then the floor."""
     import torch
     from bench_vs_trl import now, workload_config
     from transformers import DynamicCache
 
     from gspo_lab.models.experts import recorded_kernels
     from gspo_lab.rollout.generation import generate, position_ids
+    from gspo_lab.routing import is_moe
     from gspo_lab.train import build
 
-    longer = ["rollout.max_new_tokens=32"] if settings.tiny else []  # enough decode steps to time
     with tempfile.TemporaryDirectory() as out:
-        cfg = workload_config("bench_gpu", out, 1, settings.trainer() + settings.workload("bench_gpu") + longer)
+        cfg = workload_config(workload, out, 1, settings.trainer() + settings.workload(workload) + overrides)
         run_, module, _ = build(cfg)
     model = module.model.to(run_.trainer.strategy.root_device).eval()
     tokenizer, rollout = module.tokenizer, cfg.rollout
@@ -204,7 +214,9 @@ def decode(settings: Settings, timeout: float) -> str:
     ways = {"gspo-lab (kept kernel, shared prefill)": dict(share_prompts=True),
             "gspo-lab, transformers' decode kernel": dict(share_prompts=True, decode_experts_kernel="transformers"),
             "gspo-lab, static cache": dict(cache_implementation="static")}
-    results, tokens_of = [], {}
+    if not is_moe(model):
+        del ways["gspo-lab, transformers' decode kernel"]  # no experts: nothing to swap
+    results, tokens_of, done = [], {}, None
     with run_.trainer.precision_plugin.train_step_context():
         for name, kwargs in ways.items():
             compiled = "cache_implementation" in kwargs  # generate compiles it on a GPU: no Python wrappers in it
@@ -221,6 +233,8 @@ def decode(settings: Settings, timeout: float) -> str:
             decoding = prefill if compiled else sorted({kernel for kernel, n in calls if n == rows})
             per_step = 1000 * (full - first) / (new_tokens - 1)
             results.append([name, f"{per_step:.2f}", ", ".join(prefill) or "-", ", ".join(decoding) or "-"])
+        if done is None:  # every way failed: no tokens for the floor to replay
+            return table(["decode", "ms per decode step", "prefill kernel", "decode kernel"], results)
         ids = torch.cat([done.prompt_ids, done.completion_ids], 1)
         mask = torch.cat([done.prompt_mask, done.completion_mask], 1)
         prompt_len, positions = done.prompt_ids.shape[1], position_ids(mask)
@@ -243,7 +257,7 @@ def decode(settings: Settings, timeout: float) -> str:
     reference = tokens_of.get(next(iter(ways)))
     same = {name: f"{(ids_ == reference).float().mean().item():.1%} of tokens equal" for name, ids_ in
             tokens_of.items()} if reference is not None else {}
-    return (f"bench_gpu's model, {rows} rows, {new_tokens} new tokens, {cfg.model.dtype} under "
+    return (f"{workload}'s model, {rows} rows, {new_tokens} new tokens, {cfg.model.dtype} under "
             f"trainer.precision={run_.trainer.precision}; ms per decode step = (time of {new_tokens} tokens - time of "
             f"1) / its decode steps, each time the fastest of {repeats} calls after a warm-up call.\n\n"
             + table(["decode", "ms per decode step", "prefill kernel", "decode kernel"], results)
@@ -365,7 +379,7 @@ class Step:
 STEPS = [
     Step("environment", "Environment", environment, 20),
     Step("matmul", "MFU yardstick", matmul, 30),
-    Step("decode", "Decode kernels and ms per decode step (bench_gpu)", decode, 120),
+    Step("decode", "Decode kernels and ms per decode step (bench_gpu, bench_vocab)", decode, 180),
     Step("bench_gpu", "bench_gpu against its floor and TRL", bench_gpu, 300),
     Step("vocab_timing", "bench_vocab per step: timed run and plain run", vocab_timing, 120),
     Step("exactness", "bf16 old log-probs (bench_gpu)", exactness, 60),
