@@ -313,7 +313,8 @@ def exactness(settings: Settings, timeout: float) -> str:
     return block(output, lambda line: "|" in line or line.startswith("clip range"))
 
 
-def bench_lines(output: str) -> Callable[[str], bool]:
+def bench_lines() -> Callable[[str], bool]:
+    """The figures scripts/bench.py prints, without its progress lines."""
     return lambda line: line.startswith(("workload", "  seconds", "    generation", "    updates", "  peak",
                                          "    rollout", "  matmul", "  model FLOPs", "  completion"))
 
@@ -324,14 +325,14 @@ def micro_batches(settings: Settings, timeout: float) -> str:
         output = script("bench.py", "--workload", "bench_gpu", "--steps", str(settings.steps(4)),
                         f"train.micro_batch_size={micro}", *settings.trainer(), *settings.workload("bench_gpu"),
                         timeout=timeout / 2)
-        sections.append(f"train.micro_batch_size={micro}:\n\n" + block(output, bench_lines(output)))
+        sections.append(f"train.micro_batch_size={micro}:\n\n" + block(output, bench_lines()))
     return "\n".join(sections)
 
 
 def fsdp(settings: Settings, timeout: float) -> str:
     output = script("bench.py", "--workload", "bench_gpu", "--steps", str(settings.steps(4)),
                     *settings.trainer(fsdp=True), *settings.workload("bench_gpu"), timeout=timeout)
-    return block(output, bench_lines(output))
+    return block(output, bench_lines())
 
 
 def recipes(settings: Settings, timeout: float) -> str:
