@@ -103,7 +103,10 @@ COMMITTED_STUDIES = {"paper_main": "algorithm=gspo", "routing_replay": "algorith
                      "off_policy": "train.minibatches=4",
                      "group_size": "rollout.group_size=8",
                      "expert_volatility": "model.config.num_hidden_layers=4 train.lr=3e-05",
-                     "real_engine": "algorithm=grpo rollout.logprobs_from_generation=False"}
+                     "real_engine": "algorithm=grpo rollout.logprobs_from_generation=False",
+                     "entropy": "algorithm=grpo"}
+# the --metric a study's report adds to its settings table, where not the default
+STUDY_METRICS = {"entropy": "entropy"}
 
 
 @pytest.mark.parametrize("study", sorted(COMMITTED_STUDIES))
@@ -111,10 +114,11 @@ def test_a_study_s_report_and_figures_come_from_its_committed_runs(study, tmp_pa
     """A study that commits what gspo-report reads (runs/): its report.md is what they give, its figures too."""
     monkeypatch.chdir(config_reference.ROOT)  # the report's title names the dir as given
     folder = Path("experiments") / study
-    report([folder / "runs"], tmp_path, baseline=COMMITTED_STUDIES[study])
+    metric = {"metric": STUDY_METRICS[study]} if study in STUDY_METRICS else {}
+    report([folder / "runs"], tmp_path, baseline=COMMITTED_STUDIES[study], **metric)
     assert (tmp_path / "report.md").read_text() == (folder / "report.md").read_text(), (
         f"{folder}/report.md is not what its runs/ give: run gspo-report {folder}/runs "
-        f"--baseline '{COMMITTED_STUDIES[study]}' --out {folder}")
+        f"--baseline '{COMMITTED_STUDIES[study]}'{''.join(f' --{k} {v}' for k, v in metric.items())} --out {folder}")
     shown = re.findall(r"!\[[^\]]*\]\(([^)/]+\.png)\)", (folder / "README.md").read_text())  # not a sub-study's
     assert shown and all((tmp_path / name).is_file() for name in shown), shown
 
