@@ -62,6 +62,7 @@ from collections.abc import Callable
 
 import lightning as L
 import torch
+from torch import Tensor
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from transformers import DynamicCache, TrainerCallback
@@ -131,13 +132,13 @@ def time_gspo_lab(workload: str, steps: int, warmup: int, overrides: list[str], 
     return mean_interval(clock.stamps, warmup)
 
 
-def floor_step(workload: str, steps: int, trainer: list[str]) -> Callable[[], tuple[float, float]]:
+def floor_step(workload: str, steps: int, shared: list[str]) -> Callable[[], tuple[float, float]]:
     """One RL step of the floor, the model's forwards, backwards and optimizer steps alone (the module docstring),
     on one generation's completions replayed every step, with the workload's levers (shared prompt prefill and
     forward, expert kernel, log-prob chunking, micro-batches): a function running it, returning its decoding and
     its updates' seconds."""
     with tempfile.TemporaryDirectory() as out:
-        cfg = workload_config(workload, out, steps, trainer)
+        cfg = workload_config(workload, out, steps, shared)
         run, module, _ = build(cfg)
     model, rollout, train_cfg = module.model.to(run.trainer.strategy.root_device), cfg.rollout, cfg.train
     prompts = [e.prompt for e in module.task.examples("train", rollout.prompts_per_step, seed=0)
@@ -152,14 +153,10 @@ def floor_step(workload: str, steps: int, trainer: list[str]) -> Callable[[], tu
     model.eval()  # as RLModule keeps it
 
     @torch.inference_mode()
-    def decode() -> None:  # the cache grows in place; logits of the last position only
+    def decode() -> None:
         shared = rollout.share_prompt_prefill
         cache = prefill_distinct_prompts(model, done.prompt_ids, done.prompt_mask) if shared else None
-        cache, start = (DynamicCache(config=model.config), 0) if cache is None else (cache, prompt_len - 1)
-        for end in range(prompt_len, prompt_len + new_tokens):  # the last new token is never fed back
-            model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
-            start = end
+        floor_decode(model, ids, mask, positions, prompt_len, new_tokens, cache)
 
     def update() -> None:
         for minibatch in torch.randperm(len(ids)).chunk(train_cfg.minibatches):
@@ -182,6 +179,19 @@ def floor_step(workload: str, steps: int, trainer: list[str]) -> Callable[[], tu
     return step
 
 
+@torch.inference_mode()
+def floor_decode(model, ids: Tensor, mask: Tensor, positions: Tensor, prompt_len: int, new_tokens: int,
+                 cache: DynamicCache | None = None) -> None:
+    """The floor's decoding of the [B, prompt_len + new_tokens] `ids`: the prompts' prefill (from the last prompt
+    token on when `cache` holds the rest, `prefill_distinct_prompts`), then one forward per new token, the cache
+    growing in place and logits of the last position only; the last new token is never fed back."""
+    cache, start = (DynamicCache(config=model.config), 0) if cache is None else (cache, prompt_len - 1)
+    for end in range(prompt_len, prompt_len + new_tokens):
+        model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
+              past_key_values=cache, use_cache=True, logits_to_keep=1)
+        start = end
+
+
 def floor_means(seconds: list[tuple[float, float]], warmup: int) -> tuple[float, float]:
     """Means of the decoding and the updates, the first warmup + 1 steps left out, as mean_interval leaves
     out the first warmup intervals."""
@@ -190,9 +200,9 @@ def floor_means(seconds: list[tuple[float, float]], warmup: int) -> tuple[float,
     return decode_s, update_s
 
 
-def time_floor(workload: str, steps: int, warmup: int, trainer: list[str], peaks: PhasePeaks) -> float:
+def time_floor(workload: str, steps: int, warmup: int, shared: list[str], peaks: PhasePeaks) -> float:
     """Seconds per RL step of the floor (`floor_step`)."""
-    step = floor_step(workload, steps, trainer)
+    step = floor_step(workload, steps, shared)
     peaks.reset()
     return sum(floor_means([step() for _ in range(steps)], warmup))
 
@@ -215,11 +225,11 @@ class FloorBetweenSteps(L.Callback):
         self.resumed = now()
 
 
-def time_paired(workload: str, steps: int, warmup: int, overrides: list[str], trainer: list[str]) -> dict[str, float]:
+def time_paired(workload: str, steps: int, warmup: int, overrides: list[str], shared: list[str]) -> dict[str, float]:
     """gspo-lab's and the floor's mean seconds per RL step (`mean_interval`), their steps alternated one by one in
     this process so that a change in the machine's speed (this CPU's separate runs spread 20-40%) falls on both
     alike, and the median over the timed pairs of floor / gspo-lab. Time only: both models share the process."""
-    between = FloorBetweenSteps(floor_step(workload, steps, trainer))
+    between = FloorBetweenSteps(floor_step(workload, steps, shared))
     with tempfile.TemporaryDirectory() as out:
         run, module, _ = build(workload_config(workload, out, steps, overrides))
         run.trainer.callbacks.append(between)
@@ -234,7 +244,7 @@ def time_paired(workload: str, steps: int, warmup: int, overrides: list[str], tr
             "pair_ratio": statistics.median(f / g for f, g in zip(floor, lab))}
 
 
-def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str | None, trainer: list[str],
+def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str | None, shared: list[str],
              peaks: PhasePeaks) -> float:
     """TRL's seconds per RL step; `experts`: the MoE expert kernel (None for a dense model)."""
     from datasets import Dataset
@@ -242,7 +252,7 @@ def time_trl(workload: str, steps: int, warmup: int, seed: int, experts: str | N
 
     kernel = [f"model.experts_implementation={experts}"] if experts else []
     with tempfile.TemporaryDirectory() as out:
-        cfg = workload_config(workload, out, steps, [*trainer, *kernel])
+        cfg = workload_config(workload, out, steps, [*shared, *kernel])
         prompts, group, new_tokens = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens
         minibatches = cfg.train.minibatches
         rows = prompts * group // minibatches  # a mini-batch
@@ -293,20 +303,20 @@ def run_one(side: str, args) -> None:
     """One timed run in this process (a child of main): prints its seconds per step, its peak memory over the
     RL steps and that peak's rise above the memory when they started (model and optimizer built) as JSON."""
     peaks = RunPeak(torch.cuda.is_available())
-    # device, precision and the workload's sizes: all runs
-    trainer = [o for o in args.overrides if o.split("=")[0].split(".")[0] in ("trainer", "model", "rollout", "train")]
+    # device, precision and the workload's sizes: every run's, gspo-lab's, the floor's and TRL's
+    shared = [o for o in args.overrides if o.split("=")[0].split(".")[0] in ("trainer", "model", "rollout", "train")]
     length = [f"rollout.max_new_tokens={args.length}"] if args.length else []
     if side == "paired":  # time only: two models in one process
-        paired = time_paired(args.workload, args.steps, args.warmup, args.overrides + length, trainer + length)
+        paired = time_paired(args.workload, args.steps, args.warmup, args.overrides + length, shared + length)
         print("RESULT " + json.dumps(paired), flush=True)
         return
     if side == "gspo-lab":
         seconds = time_gspo_lab(args.workload, args.steps, args.warmup, args.overrides + length, peaks)
     elif side == "floor":
-        seconds = time_floor(args.workload, args.steps, args.warmup, trainer + length, peaks)
+        seconds = time_floor(args.workload, args.steps, args.warmup, shared + length, peaks)
     else:  # "TRL" or "TRL <experts kernel>"
         experts = side.split()[1] if " " in side else None
-        seconds = time_trl(args.workload, args.steps, args.warmup, args.seed, experts, trainer + length, peaks)
+        seconds = time_trl(args.workload, args.steps, args.warmup, args.seed, experts, shared + length, peaks)
     peak = peaks.read()
     print("RESULT " + json.dumps({"seconds": seconds, "peak_mib": peak, "rise_mib": peak - peaks.start}), flush=True)
 

@@ -65,6 +65,10 @@ COMMAND = ("P='python3 -m pip install -q --no-index --no-deps --no-cache-dir --t
            "scripts/gpu_check.py --out $OUT --budget-s {budget}")
 
 
+# a trainer config's device and precision set to one CPU process in float32 (an FSDP or recipe trainer's own kept)
+ONE_CPU = ["trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true"]
+
+
 @dataclass(frozen=True)
 class Settings:
     """Where and at what size the steps run: `cpu` swaps trainer=gpu for the CPU trainer, `tiny` shrinks every
@@ -75,8 +79,7 @@ class Settings:
     def trainer(self, fsdp: bool = False) -> list[str]:
         if not self.cpu:
             return ["trainer=fsdp", "trainer.devices=1"] if fsdp else ["trainer=gpu"]
-        cpu = ["trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true"]
-        return ["trainer=fsdp", *cpu] if fsdp else ["trainer=cpu"]
+        return ["trainer=fsdp", *ONE_CPU] if fsdp else ["trainer=cpu"]
 
     def workload(self, name: str) -> list[str]:
         """Overrides shrinking a bench workload in the dry run (none on a GPU)."""
@@ -181,8 +184,7 @@ def decode_table(settings: Settings, workload: str, overrides: list[str]) -> str
     """`decode` on one workload: gspo-lab's generate three ways (an MoE's kept kernel, transformers' decode kernel,
     a static cache; the second only for an MoE), then the floor."""
     import torch
-    from bench_vs_trl import now, workload_config
-    from transformers import DynamicCache
+    from bench_vs_trl import floor_decode, now, workload_config
 
     from gspo_lab.models.experts import recorded_kernels
     from gspo_lab.rollout.generation import generate, position_ids
@@ -239,14 +241,8 @@ def decode_table(settings: Settings, workload: str, overrides: list[str]) -> str
         mask = torch.cat([done.prompt_mask, done.completion_mask], 1)
         prompt_len, positions = done.prompt_ids.shape[1], position_ids(mask)
 
-        @torch.inference_mode()
-        def floor(tokens: int) -> float:  # bench_vs_trl's floor decoding: prefill, then one forward per token
-            started, cache, start = now(), DynamicCache(config=model.config), 0
-            for end in range(prompt_len, prompt_len + tokens):
-                model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
-                      past_key_values=cache, use_cache=True, logits_to_keep=1)
-                start = end
-            return now() - started
+        def floor(tokens: int) -> None:  # bench_vs_trl's floor decoding, without prefill sharing
+            floor_decode(model, ids, mask, positions, prompt_len, tokens)
 
         with recorded_kernels() as calls:
             floor(new_tokens)
@@ -338,11 +334,8 @@ def fsdp(settings: Settings, timeout: float) -> str:
 def recipes(settings: Settings, timeout: float) -> str:
     import csv
 
-    from tests.chat_model import recipe_stand_ins
-    small = ["rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=8", "train.steps=2",
-             "train.eval_every=2", "task.eval_size=4", "callbacks.progress.refresh_rate=0", "reward.num_workers=1"]
-    trainer = (["trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true"] if settings.cpu
-               else ["trainer.devices=1"])
+    from tests.chat_model import RECIPE_TWO_STEPS, recipe_stand_ins
+    trainer = ONE_CPU if settings.cpu else ["trainer.devices=1"]  # the recipe's own trainer, on one device
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for recipe, overrides in recipe_stand_ins(Path(root)).items():
@@ -350,7 +343,7 @@ def recipes(settings: Settings, timeout: float) -> str:
             out = Path(root) / f"run_{recipe}"
             started = time.perf_counter()
             try:
-                run([sys.executable, "-m", "gspo_lab.train", f"experiment={recipe}", *kept, *small,
+                run([sys.executable, "-m", "gspo_lab.train", f"experiment={recipe}", *kept, *RECIPE_TWO_STEPS,
                      f"hydra.run.dir={out}", f"paths.cache_dir={out / 'cache'}"], timeout / 3)
                 with open(out / "metrics.csv") as file:
                     steps = [r for r in csv.DictReader(file) if r.get("reward/mean")]

@@ -5,7 +5,13 @@ from pathlib import Path
 
 from scripts.make_chat_example import CHATML, EXTRA_ROWS, save_chat_model, word_problems, write_jsonl
 
-__all__ = ["CHATML", "EXTRA_ROWS", "recipe_stand_ins", "save_chat_model", "word_problems", "write_jsonl"]
+__all__ = ["CHATML", "EXTRA_ROWS", "RECIPE_TWO_STEPS", "recipe_stand_ins", "save_chat_model", "word_problems",
+           "write_jsonl"]
+
+# a recipe's run shrunk to two RL steps on its stand-ins (tests/test_recipes.py, scripts/gpu_check.py)
+RECIPE_TWO_STEPS = ["rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=8",
+                    "train.steps=2", "train.eval_every=2", "task.eval_size=4", "callbacks.progress.refresh_rate=0",
+                    "reward.num_workers=1"]
 
 
 def data_files(folder: Path, rows: list[dict], held_out: list[dict]) -> str:

@@ -21,7 +21,7 @@ from gspo_lab.memory import GB, ModelShape, estimate_memory
 from gspo_lab.rewards import math_accuracy
 from gspo_lab.tasks import HFDataset
 from gspo_lab.train import plan, warn_inexact_old_logprobs
-from tests.chat_model import recipe_stand_ins
+from tests.chat_model import RECIPE_TWO_STEPS, recipe_stand_ins
 from tests.conftest import compose_config
 
 RECIPES = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("recipe_*.yaml"))
@@ -36,8 +36,6 @@ SHAPES = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": ModelShape(1.78e9, 28, 2,
           "Qwen/Qwen2.5-1.5B-Instruct": ModelShape(1.54e9, 28, 2, 128, 1536, 151936),
           "Qwen/Qwen3-30B-A3B-Base": ModelShape(30.5e9, 48, 4, 128, 2048, 151936)}
 GPUS = {"recipe_fp16_sanity": 1, "recipe_gsm8k": 1, "recipe_math_moe": 16}  # as each header's Hardware line says
-SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=8", "train.steps=2",
-         "train.eval_every=2", "task.eval_size=4", "callbacks.progress.refresh_rate=0", "reward.num_workers=1"]
 
 
 def sweep_jobs(recipe: str) -> list[list[str]]:
@@ -110,7 +108,8 @@ def test_the_header_states_the_memory_estimate_and_it_fits(recipe):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_a_recipe_runs_two_rl_steps_on_its_stand_ins(recipe, stand_ins, tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-m", "gspo_lab.train", f"experiment={recipe}", *stand_ins[recipe], *SMALL,
+    result = subprocess.run([sys.executable, "-m", "gspo_lab.train", f"experiment={recipe}", *stand_ins[recipe],
+                             *RECIPE_TWO_STEPS,
                              f"hydra.run.dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
