@@ -10,6 +10,7 @@ report.md, report.html (self-contained), statistics.csv, paired.csv and the figu
 
     gspo-report multirun/2026-11-21/10-00-00
     gspo-report outputs/run_a outputs/run_b --baseline algorithm=gspo --collapse-drop 0.05
+    gspo-report multirun/gspo multirun/grpo --grid train.lr,clip_scale --grid-baseline 1.0
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import yaml
 
 from gspo_lab.report import html
 from gspo_lab.report.figures import CURVES, PROFILE, curves, eval_set_curves, profile
+from gspo_lab.report.grid import UnknownGridKey, cells, heatmaps
+from gspo_lab.report.grid import tables as grid_tables
 # Run and load_run are re-exported: callers of gspo_lab.report.study read runs through it
 from gspo_lab.report.runs import (REWARD_FLOOR, REWARD_WINDOW, Run, Study, UnknownBaseline,  # noqa: F401
                                   discover, load_run)
@@ -109,8 +112,10 @@ def collapse_note(study: Study, drop: float) -> str:
 
 
 def sections(study: Study, dirs: list[Path], baseline: str | None, collapse_drop: float, seed: int,
-             notes: list[str], metric: str = HEADLINE[0]) -> tuple[Sections, dict[str, pd.DataFrame]]:
-    """The report's text and tables, and the numeric frames behind them (written as CSV)."""
+             notes: list[str], metric: str = HEADLINE[0], grid: tuple[str, str] | None = None,
+             grid_baseline: str | None = None) -> tuple[Sections, dict[str, pd.DataFrame]]:
+    """The report's text and tables, and the numeric frames behind them (written as CSV); with `grid` (row key,
+    column key), the grid's tables after the settings table."""
     stats = statistics(study, seed, metric)
     pairs = paired(study, baseline, seed) if baseline is not None else pd.DataFrame()
     intro = [f"{len(study.complete)} finished runs in {len(study.settings())} settings. {interval_note(study, seed)}",
@@ -124,6 +129,8 @@ def sections(study: Study, dirs: list[Path], baseline: str | None, collapse_drop
                             "`reward collapsed` those whose sampled reward collapsed; an eval/* metric is its value "
                             "at the run's last evaluation."],
                settings_table(study, stats, collapse_drop, metric))]
+    if grid is not None:
+        tables += grid_tables(study, stats, *grid, grid_baseline, seed)
     if len(pairs):
         tables.append(("Paired comparisons", [
             f"Paired differences against `{baseline}` (same seeds): the mean of setting minus baseline over the "
@@ -146,9 +153,10 @@ def sections(study: Study, dirs: list[Path], baseline: str | None, collapse_drop
 
 
 def report(dirs: list[Path], out: Path, baseline: str | None = None, collapse_drop: float = 0.1,
-           bootstrap_seed: int = 0, metric: str = HEADLINE[0]) -> str:
-    """Writes report.md, report.html, statistics.csv, paired.csv and the figures into `out`; returns the text
-    it prints."""
+           bootstrap_seed: int = 0, metric: str = HEADLINE[0], grid: tuple[str, str] | None = None,
+           grid_baseline: str | None = None) -> str:
+    """Writes report.md, report.html, statistics.csv, paired.csv and the figures (with `grid`, the grid's
+    heatmaps) into `out`; returns the text it prints."""
     study = discover(dirs)
     if not study.runs:
         raise SystemExit(
@@ -164,12 +172,15 @@ def report(dirs: list[Path], out: Path, baseline: str | None = None, collapse_dr
     if metric not in HEADLINE and metric not in logged:
         known = ", ".join(sorted(k for k in logged if k.startswith("eval/"))) or "none"
         raise UnknownMetric(f"--metric={metric!r} is not logged by any finished run; its evaluation metrics: {known}")
-    text, frames = sections(study, dirs, baseline, collapse_drop, bootstrap_seed, notes, metric)
+    if grid is not None:
+        cells(study, *grid)  # refuses a key some setting lacks before anything is written
+    text, frames = sections(study, dirs, baseline, collapse_drop, bootstrap_seed, notes, metric, grid, grid_baseline)
     out.mkdir(parents=True, exist_ok=True)
     collapsed = {run.path for run in study.complete if run.collapsed(collapse_drop)}
     wanted = {**CURVES, **eval_set_curves(study, metric)}
     drawn = [name for name, spec in wanted.items() if curves(study, *spec, out / name, bootstrap_seed, collapsed)]
     drawn += [PROFILE] if profile(study, out / PROFILE, bootstrap_seed) else []
+    drawn += heatmaps(study, *grid, out) if grid is not None else []
     for name, frame in frames.items():
         frame.to_csv(out / f"{name}.csv", index=False)
     title = f"Report on {', '.join(map(str, dirs))}"
@@ -197,11 +208,19 @@ def main(argv: list[str] | None = None) -> None:
                         f"(default: {HEADLINE[0]!r})")
     parser.add_argument("--bootstrap-seed", type=int, default=0, help="seeds every bootstrap, so a report is "
                         "reproducible (default: 0)")
+    parser.add_argument("--grid", help="ROW,COLUMN: two swept keys (e.g. train.lr,clip_scale) to lay the settings "
+                        "out on, a panel per value of the other keys: tables and heatmaps (grid_<metric>.png) of "
+                        "the headline metrics, and paired differences against a column")
+    parser.add_argument("--grid-baseline", help="the COLUMN value the grid's paired differences are taken against, "
+                        "in every row (default: each panel's first column)")
     args = parser.parse_args(argv)
+    grid = tuple(args.grid.split(",")) if args.grid else None
+    if grid is not None and (len(grid) != 2 or not all(grid)):
+        parser.exit(2, f"gspo-report: --grid={args.grid!r}: expected two keys, ROW,COLUMN (e.g. train.lr,clip_scale)\n")
     try:
         text = report(args.dirs, args.out or args.dirs[0], args.baseline, args.collapse_drop, args.bootstrap_seed,
-                      args.metric)
-    except (UnknownBaseline, UnknownMetric) as error:
+                      args.metric, grid, args.grid_baseline)
+    except (UnknownBaseline, UnknownMetric, UnknownGridKey) as error:
         parser.exit(2, f"gspo-report: {error}\n")
     print(text)
     sys.stdout.flush()
