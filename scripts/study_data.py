@@ -57,17 +57,38 @@ def export_run(run: Path, out: Path) -> None:
         shutil.copy2(path, out / "samples" / path.name)
 
 
+def job_number(relative: Path) -> str:
+    """The Hydra job number a multirun folder name starts with ("8_algorithm=gspo,..." -> "8").
+
+    >>> job_number(Path("8_algorithm=gspo,model.path=/work/data/model,model=hf"))
+    '8'
+    """
+    number = relative.parts[0].split("_", 1)[0]
+    if not number.isdigit():
+        raise SystemExit(f"study_data --by-number: {relative} does not start with a job number")
+    return number
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("multirun", type=Path, help="a multirun dir (or any folder of run dirs)")
     parser.add_argument("out", type=Path, help="where the copies go, one folder per run, named as in the multirun")
+    parser.add_argument("--by-number", action="store_true", help="name each copy by its Hydra job number only (the "
+                        "leading digits of its folder): for overrides whose values hold a '/', which Hydra's folder "
+                        "names turn into nested folders")
     args = parser.parse_args(argv)
     runs = run_dirs(args.multirun)
     if not runs:
         print(f"study_data: no run dir (run_info.json or failed.txt) under {args.multirun}", file=sys.stderr)
         return 2
-    for run in runs:
-        export_run(run, args.out / run.relative_to(args.multirun))
+    names = [job_number(run.relative_to(args.multirun)) if args.by_number else run.relative_to(args.multirun)
+             for run in runs]
+    if len(set(names)) != len(names):
+        print(f"study_data: two runs under {args.multirun} share a job number; copy without --by-number",
+              file=sys.stderr)
+        return 2
+    for run, name in zip(runs, names):
+        export_run(run, args.out / name)
     print(f"study_data: {len(runs)} runs into {args.out}")
     return 0
 
