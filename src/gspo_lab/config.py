@@ -210,9 +210,6 @@ class TrainConfig:
             under trainer.precision=bf16-mixed, where autocast would run the head in bfloat16.
         on_reward_error: "zero" scores a completion whose reward function raised 0 (reported and counted
             in reward/errors); "raise" stops the run.
-        clip_warning: warn when a sequence-ratio objective (GSPO) clips more than this share of its sequences on
-            average over the first `clip_warning_steps` RL steps (gspo_lab.objectives.clip_warning); None never.
-        clip_warning_steps: the RL steps that average.
     """
 
     steps: int = 200
@@ -229,14 +226,12 @@ class TrainConfig:
     max_consecutive_skips: int = 5
     lm_head_fp32: bool = False
     on_reward_error: str = "zero"
-    clip_warning: float | None = 0.2
-    clip_warning_steps: int = 10
 
     def __post_init__(self) -> None:
         _require(self.on_reward_error in ("zero", "raise"), "train.on_reward_error", self.on_reward_error,
                  "must be one of ['zero', 'raise']")
         for key in ("steps", "minibatches", "ckpt_every", "logprob_chunk_rows", "logprob_chunk_tokens",
-                    "max_consecutive_skips", "clip_warning_steps"):
+                    "max_consecutive_skips"):
             _positive_int(f"train.{key}", getattr(self, key))
         _positive_int("train.eval_every", self.eval_every, minimum=0)
         if self.micro_batch_size is not None:
@@ -245,9 +240,6 @@ class TrainConfig:
                  "must be a finite number > 0")
         _require(isinstance(self.grad_clip, (int, float)) and self.grad_clip >= 0, "train.grad_clip", self.grad_clip,
                  "must be >= 0 (0 disables clipping)")
-        _require(self.clip_warning is None or (isinstance(self.clip_warning, (int, float)) and
-                                                0 <= self.clip_warning < 1), "train.clip_warning", self.clip_warning,
-                 "must be a share in [0, 1), or null to never warn")
 
     def check_against(self, rollout: RolloutConfig, world_size: int = 1) -> None:
         """Rules that involve both configs: mini-batches and ranks must divide the rollout batch."""

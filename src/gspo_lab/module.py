@@ -45,7 +45,6 @@ from gspo_lab.models.lm_head import fp32_lm_head
 from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.objectives import AdvantageEstimator, NonFiniteLossError, Objective
 from gspo_lab.objectives import micro_batches
-from gspo_lab.objectives.clip_warning import clip_throttle
 from gspo_lab.objectives.entropy import EntropyCoefficient
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards
@@ -244,11 +243,6 @@ class RLModule(RolloutCollection, L.LightningModule):
         })
         self.rl_step += 1
         self.log_step(step, metrics)
-        if self.rl_step == self.train_cfg.clip_warning_steps:
-            message = clip_throttle(self.objective, self.history, self.train_cfg.clip_warning,
-                                    self.train_cfg.clip_warning_steps, self.train_cfg.lr)
-            if message and self.global_rank == 0:
-                log.warning(message)
         if self.rl_step == self.train_cfg.steps:
             final = self.evaluate(self.rl_step) if evaluating else {}
             if self.trainer.world_size > 1 and not is_sharded(self.model):  # replicas (DDP) must agree
