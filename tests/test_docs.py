@@ -104,9 +104,17 @@ COMMITTED_STUDIES = {"paper_main": "algorithm=gspo", "routing_replay": "algorith
                      "group_size": "rollout.group_size=8",
                      "expert_volatility": "model.config.num_hidden_layers=4 train.lr=3e-05",
                      "real_engine": "algorithm=grpo rollout.logprobs_from_generation=False",
-                     "entropy": "algorithm=grpo"}
-# the --metric a study's report adds to its settings table, where not the default
-STUDY_METRICS = {"entropy": "entropy"}
+                     "entropy": "algorithm=grpo",
+                     "clip_lr/byo": "algorithm=grpo clip_scale=1.0 train.lr=0.0001",
+                     "clip_lr/default": "algorithm=grpo clip_scale=1.0 train.lr=0.0001"}
+# a study's other gspo-report options, where it has any (a folder below a study: one of its tasks)
+CLIP_LR = {"grid": ("train.lr", "clip_scale"), "grid_baseline": "1.0"}
+STUDY_OPTIONS = {"entropy": {"metric": "entropy"}, "clip_lr/byo": CLIP_LR, "clip_lr/default": CLIP_LR}
+
+
+def option_text(options: dict) -> str:
+    return "".join(f" --{key.replace('_', '-')} {','.join(v) if isinstance(v, tuple) else v}"
+                   for key, v in options.items())
 
 
 @pytest.mark.parametrize("study", sorted(COMMITTED_STUDIES))
@@ -114,15 +122,20 @@ def test_a_study_s_report_and_figures_come_from_its_committed_runs(study, tmp_pa
     """A study that commits what gspo-report reads (runs/): its report.md is what they give, its figures too."""
     monkeypatch.chdir(config_reference.ROOT)  # the report's title names the dir as given
     folder = Path("experiments") / study
-    metric = {"metric": STUDY_METRICS[study]} if study in STUDY_METRICS else {}
-    report([folder / "runs"], tmp_path, baseline=COMMITTED_STUDIES[study], **metric)
+    options = STUDY_OPTIONS.get(study, {})
+    report([folder / "runs"], tmp_path, baseline=COMMITTED_STUDIES[study], **options)
     assert (tmp_path / "report.md").read_text() == (folder / "report.md").read_text(), (
         f"{folder}/report.md is not what its runs/ give: run gspo-report {folder}/runs "
-        f"--baseline '{COMMITTED_STUDIES[study]}'{''.join(f' --{k} {v}' for k, v in metric.items())} --out {folder}")
-    shown = re.findall(r"!\[[^\]]*\]\(([^)/]+\.png)\)", (folder / "README.md").read_text())  # not a sub-study's
+        f"--baseline '{COMMITTED_STUDIES[study]}'{option_text(options)} --out {folder}")
+    # the figures the study's README shows from this folder (a task's folder: those under it)
+    study_root, below = Path("experiments") / study.split("/")[0], "/".join(study.split("/")[1:])
+    prefix = re.escape(below + "/") if below else ""
+    shown = re.findall(rf"!\[[^\]]*\]\({prefix}([^)/]+\.png)\)", (study_root / "README.md").read_text())
     assert shown and all((tmp_path / name).is_file() for name in shown), shown
 
 
 def test_every_study_with_committed_runs_is_checked():
-    committed = {path.parent.name for path in (config_reference.ROOT / "experiments").glob("*/runs")}
+    experiments = config_reference.ROOT / "experiments"
+    committed = {path.parent.relative_to(experiments).as_posix() for path in experiments.glob("**/runs")
+                  if "runs" not in path.parent.relative_to(experiments).parts}  # not a folder inside runs/
     assert committed == set(COMMITTED_STUDIES), "add the study and its --baseline to COMMITTED_STUDIES"

@@ -42,7 +42,7 @@ def finished_runs(sweep: Path) -> list[Path]:
 
 
 def test_every_experiment_is_tested():
-    assert STUDIES == ["clip_range", "entropy", "expert_volatility", "group_size", "length_norm", "length_norm_long",
+    assert STUDIES == ["clip_lr", "clip_range", "entropy", "expert_volatility", "group_size", "length_norm", "length_norm_long",
                        "objective_zoo", "objective_zoo_long", "off_policy", "paper_main", "precision", "real_engine",
                        "routing_replay", "stability"]
     assert SINGLE_RUNS == ["bench_anchor", "bench_gpu", "bench_paper", "bench_vocab"]
@@ -74,7 +74,7 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
                         tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = finished_runs(tmp_path / "sweep")
-    expected = {"paper_main": 5, "clip_range": 6, "group_size": 4, "length_norm": 2, "length_norm_long": 2,
+    expected = {"paper_main": 5, "clip_range": 6, "clip_lr": 12, "group_size": 4, "length_norm": 2, "length_norm_long": 2,
                 "objective_zoo": 16, "objective_zoo_long": 16, "routing_replay": 6, "expert_volatility": 8,
                 "off_policy": 4, "stability": 6, "precision": 4, "real_engine": 4, "entropy": 2}[study]
     assert len(runs) == expected
