@@ -116,8 +116,8 @@ def slug(metric: str) -> str:
 
 
 def heatmaps(study: Study, row: str, column: str, out: Path) -> list[str]:
-    """grid_<metric>.png per GRID_METRICS entry a run logged: a panel per panel of the grid, each cell the mean
-    over seeds, written in it; returns the files drawn."""
+    """grid_<metric>.png per GRID_METRICS entry a run logged: a panel per panel of the grid on one colour scale,
+    each cell the mean over seeds, written in it; returns the files drawn."""
     grid = cells(study, row, column)
     panels = ordered(c.panel for c in grid)
     drawn = []
@@ -126,13 +126,15 @@ def heatmaps(study: Study, row: str, column: str, out: Path) -> list[str]:
                             [math.nan]) for c in grid}
         if all(math.isnan(v) for v in means.values()):
             continue
+        finite = np.array([v for v in means.values() if math.isfinite(v)])  # one colour scale for every panel
+        positive = finite[finite > 0]
+        norm = (LogNorm(positive.min(), positive.max()) if metric in LOG_SCALE and positive.size > 1
+                else plt.Normalize(finite.min(), finite.max()))
         figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
         for ax, panel in zip(axes[0], panels):
             mine = {(c.row, c.column): means[c] for c in grid if c.panel == panel}
             rows, columns = ordered(r for r, _ in mine), ordered(c for _, c in mine)
             values = np.array([[mine.get((r, c), math.nan) for c in columns] for r in rows])
-            positive = values[np.isfinite(values) & (values > 0)]
-            norm = LogNorm(positive.min(), positive.max()) if metric in LOG_SCALE and positive.size > 1 else None
             image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis", norm=norm, aspect="auto")
             for i, j in np.ndindex(values.shape):
                 if np.isfinite(values[i, j]):
