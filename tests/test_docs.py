@@ -106,10 +106,12 @@ COMMITTED_STUDIES = {"paper_main": "algorithm=gspo", "routing_replay": "algorith
                      "real_engine": "algorithm=grpo rollout.logprobs_from_generation=False",
                      "entropy": "algorithm=grpo",
                      "clip_lr/byo": "algorithm=grpo clip_scale=1.0 train.lr=0.0001",
-                     "clip_lr/default": "algorithm=grpo clip_scale=1.0 train.lr=0.0001"}
+                     "clip_lr/default": "algorithm=grpo clip_scale=1.0 train.lr=0.0001",
+                     "clip_lr/low_start": "algorithm=gspo clip_scale=1.0"}
 # a study's other gspo-report options, where it has any (a folder below a study: one of its tasks)
 CLIP_LR = {"grid": ("train.lr", "clip_scale"), "grid_baseline": "1.0"}
-STUDY_OPTIONS = {"entropy": {"metric": "entropy"}, "clip_lr/byo": CLIP_LR, "clip_lr/default": CLIP_LR}
+STUDY_OPTIONS = {"entropy": {"metric": "entropy"}, "clip_lr/byo": CLIP_LR, "clip_lr/default": CLIP_LR,
+                 "clip_lr/low_start": CLIP_LR}
 
 
 def option_text(options: dict) -> str:
