@@ -234,8 +234,8 @@ def matmul(settings: Settings, timeout: float) -> str:
 def decode(settings: Settings, timeout: float) -> str:
     """Kernels per phase and ms per decode step of gspo-lab's generate and of the floor, on bench_gpu's MoE (256
     rows, 128 tokens) and on bench_vocab's 152k vocabulary (8 rows, 256 tokens: the 2x of 2026-11-25)."""
-    tables = []
-    for workload, length in (("bench_gpu", 32 if settings.tiny else None), ("bench_vocab", 32 if settings.tiny else 256)):
+    tables, lengths = [], {"bench_gpu": 32 if settings.tiny else None, "bench_vocab": 32 if settings.tiny else 256}
+    for workload, length in lengths.items():
         try:  # one workload failing (a missing package, a kernel) keeps the other's table
             tables.append(decode_table(settings, workload, [f"rollout.max_new_tokens={length}"] if length else []))
         except Exception as error:
@@ -326,7 +326,7 @@ def decode_table(settings: Settings, workload: str, overrides: list[str]) -> str
 
 
 def bench_gpu(settings: Settings, timeout: float) -> str:
-    steps, rounds = settings.steps(4), 1  # one round ran past 364 s on an H100 (2026-11-26)
+    steps, rounds = settings.steps(4), 1  # two rounds ran past 364 s on an H100 (2026-11-26)
     output = script("bench_vs_trl.py", "--workload", "bench_gpu", "--steps", str(steps), "--warmup", "1",
                     "--rounds", str(rounds), *settings.trainer(), *settings.workload("bench_gpu"), timeout=timeout)
     return block(output, lambda line: not line.startswith("  floor: decoding"))
@@ -430,7 +430,7 @@ class Step:
     name: str
     title: str
     run: Callable[[Settings, float], str]
-    needs_s: float  # about what it takes on an H100 (the budget skips it when less is left); seen 2026-11-26 where noted
+    needs_s: float  # about what it takes on an H100 (skipped when less is left); seen 2026-11-26 where noted
 
 
 STEPS = [

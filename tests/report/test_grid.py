@@ -69,3 +69,17 @@ def test_a_grid_of_one_key_is_refused(grid_sweep, capsys):
     with pytest.raises(SystemExit) as exited:
         main([str(grid_sweep), "--grid", "train.lr"])
     assert exited.value.code == 2 and "expected two keys, ROW,COLUMN" in capsys.readouterr().err
+
+
+def test_a_grid_baseline_no_column_has_is_refused_naming_the_values(grid_sweep, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([str(grid_sweep), "--out", str(tmp_path / "out"), "--grid", "train.lr,clip_scale", "--grid-baseline", "1"])
+    assert exited.value.code == 2
+    assert "--grid-baseline='1' is no value of clip_scale; its values: 0.5, 1.0, 100.0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_grid_baseline_without_a_grid_is_refused(grid_sweep, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([str(grid_sweep), "--grid-baseline", "1.0"])
+    assert exited.value.code == 2 and "--grid-baseline needs --grid" in capsys.readouterr().err

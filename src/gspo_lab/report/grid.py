@@ -62,6 +62,13 @@ def cells(study: Study, row: str, column: str) -> list[Cell]:
     return found
 
 
+def check_baseline(study: Study, row: str, column: str, baseline: str | None) -> None:
+    """Refuses a --grid-baseline that is no panel's column value, naming the values there are."""
+    columns = ordered(c.column for c in cells(study, row, column))
+    if baseline is not None and baseline not in columns:
+        raise UnknownGridKey(f"--grid-baseline={baseline!r} is no value of {column}; its values: {', '.join(columns)}")
+
+
 def ordered(values) -> list[str]:
     return sorted(set(values), key=natural_key)
 

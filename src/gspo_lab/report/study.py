@@ -25,7 +25,7 @@ import yaml
 
 from gspo_lab.report import html
 from gspo_lab.report.figures import CURVES, PROFILE, curves, eval_set_curves, profile
-from gspo_lab.report.grid import UnknownGridKey, cells, heatmaps
+from gspo_lab.report.grid import UnknownGridKey, check_baseline, heatmaps
 from gspo_lab.report.grid import tables as grid_tables
 # Run and load_run are re-exported: callers of gspo_lab.report.study read runs through it
 from gspo_lab.report.runs import (REWARD_FLOOR, REWARD_WINDOW, Run, Study, UnknownBaseline,  # noqa: F401
@@ -172,8 +172,8 @@ def report(dirs: list[Path], out: Path, baseline: str | None = None, collapse_dr
     if metric not in HEADLINE and metric not in logged:
         known = ", ".join(sorted(k for k in logged if k.startswith("eval/"))) or "none"
         raise UnknownMetric(f"--metric={metric!r} is not logged by any finished run; its evaluation metrics: {known}")
-    if grid is not None:
-        cells(study, *grid)  # refuses a key some setting lacks before anything is written
+    if grid is not None:  # a key some setting lacks, or a baseline no column has: refused before anything is written
+        check_baseline(study, *grid, grid_baseline)
     text, frames = sections(study, dirs, baseline, collapse_drop, bootstrap_seed, notes, metric, grid, grid_baseline)
     out.mkdir(parents=True, exist_ok=True)
     collapsed = {run.path for run in study.complete if run.collapsed(collapse_drop)}
@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
                         "in every row (default: each panel's first column)")
     args = parser.parse_args(argv)
     grid = tuple(args.grid.split(",")) if args.grid else None
+    if args.grid_baseline is not None and grid is None:
+        parser.exit(2, "gspo-report: --grid-baseline needs --grid ROW,COLUMN\n")
     if grid is not None and (len(grid) != 2 or not all(grid)):
         parser.exit(2, f"gspo-report: --grid={args.grid!r}: expected two keys, ROW,COLUMN (e.g. train.lr,clip_scale)\n")
     try:
