@@ -106,6 +106,7 @@ def tables(study: Study, stats: pd.DataFrame, row: str, column: str, baseline: s
         reference = baseline if baseline is not None else columns[0]
         if reference not in columns:
             continue  # this panel has no such column: no paired table, said by its absence
+
         def delta(r: str, c: str) -> str:
             if c == reference or (r, c) not in mine or (r, reference) not in mine:
                 return ""
