@@ -183,26 +183,19 @@ def table(header: list[str], rows: list[list]) -> str:
 
 
 def versions() -> dict[str, str]:
-    found = {}
-    for name in ("torch", "transformers", "lightning", "hydra-core", "trl", "peft", "datasets", "reasoning-gym"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = "absent"
-    return found
+    from gspo_lab.report.run import library_versions
+    names = ("torch", "transformers", "lightning", "hydra-core", "trl", "peft", "datasets", "reasoning-gym")
+    return {name: version or "absent" for name, version in library_versions(names).items()}
 
 
 def commit() -> str:
-    """The commit the check runs at: git's where .git is here, else what --wheels wrote beside the wheels."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=ROOT).stdout.strip()
-        return head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        manifest = WHEEL_DIR / "manifest.json"
-        return json.loads(manifest.read_text())["commit"] + " (from .whl/manifest.json)" if manifest.exists() \
-            else "unknown"
+    """The commit the check runs at: the checkout's here (gspo_lab.report.run.git_sha, -dirty with uncommitted
+    changes), else what --wheels wrote beside the wheels."""
+    from gspo_lab.report.run import git_sha
+    sha, manifest = git_sha(ROOT), WHEEL_DIR / "manifest.json"
+    if sha == "unknown" and manifest.exists():
+        return json.loads(manifest.read_text())["commit"] + " (from .whl/manifest.json)"
+    return sha
 
 
 # ---- the steps: each runs in a child process (`--step NAME`) and returns its section's markdown ----
@@ -533,8 +526,7 @@ def download_wheels() -> None:
                            text=True, cwd=ROOT, check=True).stdout.split("\n")
     tracked = sum((ROOT / f).stat().st_size for f in files if (ROOT / f).is_file())
     total = (sum(sizes.values()) + tracked) / 2**20
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    (WHEEL_DIR / "manifest.json").write_text(json.dumps({"commit": head, "wheels": sizes}, indent=1))
+    (WHEEL_DIR / "manifest.json").write_text(json.dumps({"commit": commit(), "wheels": sizes}, indent=1))
     for name, size in sizes.items():
         print(f"{size / 2**20:8.2f} MiB  {name}")
     print(f"wheels {sum(sizes.values()) / 2**20:.1f} MiB + working tree {tracked / 2**20:.1f} MiB "

@@ -64,15 +64,20 @@ def git_sha(repo: Path | None) -> str:
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def write_run_info(run_dir: Path, repo: Path | None, extra: dict) -> dict:
+def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str | None]:
+    """Each distribution's installed version; None where it is not installed."""
     versions = {}
-    for name in LIBRARIES:
+    for name in names:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
+    return versions
+
+
+def write_run_info(run_dir: Path, repo: Path | None, extra: dict) -> dict:
     info = {"git_sha": git_sha(repo), "python": platform.python_version(), "platform": platform.platform(),
-            "versions": versions, **extra}
+            "versions": library_versions(), **extra}
     (run_dir / "run_info.json").write_text(json.dumps(info, indent=2, default=str))
     return info
 
