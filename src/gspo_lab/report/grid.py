@@ -23,7 +23,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 
 from gspo_lab.report.runs import Study, natural_key  # noqa: E402
 from gspo_lab.report.stats import mean_interval  # noqa: E402
-from gspo_lab.report.tables import CI, formatted, number  # noqa: E402
+from gspo_lab.report.tables import CI, formatted, number, paired_differences  # noqa: E402
 
 GRID_METRICS = ("held-out accuracy", "accuracy gain", "clip/frac", "seq ratio spread")
 LOG_SCALE = {"clip/frac"}  # spans orders of magnitude between objectives
@@ -75,12 +75,12 @@ def ordered(values) -> list[str]:
 
 def paired_delta(study: Study, setting: str, baseline: str, seed: int) -> str:
     """Mean held-out accuracy of `setting` minus `baseline` over their shared seeds [interval]."""
-    base = {run.seed: run.value("held-out accuracy") for run in study.of(baseline) if run.seed is not None}
-    pairs = [(run.value("held-out accuracy"), base[run.seed]) for run in study.of(setting) if run.seed in base]
-    if not pairs:
+    differences = paired_differences(study, setting, baseline, "held-out accuracy")
+    if not len(differences):
         return "n/a (no shared seed)"
-    interval = mean_interval([a - b for a, b in pairs], seed)
-    low = f"[{interval.low:+.3f}, {interval.high:+.3f}]" if interval.low is not None else f"[n/a ({len(pairs)} seed)]"
+    interval = mean_interval(differences, seed)
+    low = (f"[{interval.low:+.3f}, {interval.high:+.3f}]" if interval.low is not None
+           else f"[n/a ({len(differences)} seed)]")
     return f"{interval.value:+.3f} {low}"
 
 

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from gspo_lab.report.runs import Study
+from gspo_lab.report.runs import Run, Study
 from gspo_lab.report.stats import (Interval, improvement_interval, iqm_interval, mean_interval,
                                    paired_improvement_interval)
 
@@ -97,15 +97,26 @@ def _improvement(study: Study, setting: str, baseline: str, pairs: list, seed: i
             "P(improvement) no interval": interval.reason}
 
 
+def seed_pairs(study: Study, setting: str, baseline: str) -> list[tuple[Run, Run]]:
+    """(setting's run, baseline's run) for each seed both settings ran."""
+    base = {run.seed: run for run in study.of(baseline) if run.seed is not None}
+    return [(run, base[run.seed]) for run in study.of(setting) if run.seed in base]
+
+
+def paired_differences(study: Study, setting: str, baseline: str, metric: str) -> np.ndarray:
+    """Setting minus baseline in `metric` on each shared seed where both logged it."""
+    x, y = _paired_values(seed_pairs(study, setting, baseline), metric)
+    return x - y
+
+
 def paired(study: Study, baseline: str, seed: int) -> pd.DataFrame:
     """Each other setting against `baseline` on the seeds both have: the mean paired difference of each PAIRED
     metric with its nominal 95% interval; and P(setting > baseline) in held-out accuracy with its interval."""
-    base = {run.seed: run for run in study.of(baseline) if run.seed is not None}
     rows = []
     for setting in study.settings():
         if setting == baseline:
             continue
-        pairs = [(run, base[run.seed]) for run in study.of(setting) if run.seed in base]
+        pairs = seed_pairs(study, setting, baseline)
         row = {"setting": setting, "shared seeds": len(pairs), "reason": "no shared seed" if not pairs else ""}
         for metric in PAIRED:
             x, y = _paired_values(pairs, metric)
