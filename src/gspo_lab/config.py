@@ -57,6 +57,12 @@ class EngineConfig:
         """Whether the engine needs weights of its own (another precision or quantised)."""
         return self.precision != "fp32" or self.weight_bits is not None
 
+    @property
+    def is_trainer(self) -> bool:
+        """Whether generation runs on the trainer's own weights as they are (no copy, no router noise): the
+        defaults, where the engine's log-probs are the trainer's."""
+        return not (self.copies_weights or self.router_noise)
+
 
 BACKENDS = ("hf", "vllm")  # rollout.backend
 
@@ -111,8 +117,9 @@ class RolloutConfig:
         backend: what generates: "hf" (transformers' `generate` on the trainer's weights, through `engine`) or
             "vllm" (vLLM in this process, the trainer's weights pushed after every update; `vllm`).
         logprobs_from_generation: take old log-probs from the engine's own instead of a no-grad trainer forward
-            (r2 routing replay needs the forward); null: true for hf (its engine is the trainer: exact), false
-            for vllm (a forward of the trainer's own, as TRL and verl take them; true is verl's bypass mode).
+            (r2 routing replay needs the forward); null: true where the engine is the trainer itself (hf with
+            `engine` at its defaults: exact), false otherwise (a simulated engine of rollout.engine.*, and vllm:
+            a forward of the trainer's own, as TRL and verl take them; true is verl's bypass mode).
         suppress_eos: never sample EOS, so every completion has exactly max_new_tokens (benchmarks).
         share_prompt_prefill: prefill each group's prompt once and continue its group_size completions from its
             keys and values (gspo_lab.rollout.generation.prefill_distinct_prompts): the same samples to float
@@ -151,7 +158,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _require(self.backend in BACKENDS, "rollout.backend", self.backend, f"must be one of {list(BACKENDS)}")
         if self.logprobs_from_generation is None:
-            self.logprobs_from_generation = self.backend == "hf"
+            self.logprobs_from_generation = self.backend == "hf" and self.engine.is_trainer
         _require(isinstance(self.logprobs_from_generation, bool), "rollout.logprobs_from_generation",
                  self.logprobs_from_generation, "must be null, true or false")
         _positive_int("rollout.prompts_per_step", self.prompts_per_step)

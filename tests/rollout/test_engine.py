@@ -244,3 +244,17 @@ def test_the_backend_setting_and_its_old_logprobs_default():
 def test_the_vllm_backend_without_vllm_names_the_extra_to_install(compose, tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.backend=vllm needs vLLM: pip install -e '.\[vllm\]' on a GPU node"):
         plan(compose(["rollout.backend=vllm", f"paths.output_dir={tmp_path}"]))
+
+
+@pytest.mark.parametrize("overrides, from_generation", [
+    ([], True),  # the engine is the trainer: its log-probs are the forward's
+    (["rollout.engine.precision=bf16"], False),
+    (["rollout.engine.weight_bits=8"], False),
+    (["rollout.engine.router_noise=0.1"], False),
+    (["rollout.engine.precision=bf16", "rollout.logprobs_from_generation=true"], True),  # the §5.4 mode, as asked
+])
+def test_old_logprobs_default_to_the_engines_only_where_the_engine_is_the_trainer(overrides, from_generation,
+                                                                                  compose, tmp_path):
+    """rollout.logprobs_from_generation=null: a simulated engine's log-probs would silently become π_old."""
+    rollout = plan(compose(overrides + [f"paths.output_dir={tmp_path}"])).rollout
+    assert rollout.logprobs_from_generation is from_generation

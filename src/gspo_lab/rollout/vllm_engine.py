@@ -61,7 +61,7 @@ def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: s
     (on the meta device), `device` the trainer's ("cpu" or "cuda")."""
     if not available():
         raise ValueError(INSTALL)
-    if rollout.engine.copies_weights or rollout.engine.router_noise:
+    if not rollout.engine.is_trainer:
         raise ValueError("rollout.engine.* simulates an inference engine on the hf backend; with rollout.backend=vllm "
                          "the engine is real: set its precision with rollout.vllm.dtype and leave rollout.engine at "
                          "its defaults")
