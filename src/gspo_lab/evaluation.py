@@ -5,8 +5,9 @@ An evaluation set is a data source with its prompt format and, optionally, its r
 config group, `EvalSettings`); `heldout`, the run's own task's held-out split in the run's prompt format, is the
 default. A completion is correct when the set's task's checker accepts it (`Task.is_correct`, the same one that
 scores eval/accuracy); reward functions, when a set names them, are scored and reported beside it, per function.
-A checker that can hang (`Task.checker_may_hang`: math-verify on model output) runs in killable grading workers
-(gspo_lab.grading.pool; eval.grading_workers, eval.grading_timeout_s), so no completion can stop an evaluation.
+A checker that can hang (`Task.checker_may_hang`: math-verify on model output, a reasoning-gym verifier that evals
+the completion) runs in killable grading workers (gspo_lab.grading.pool; eval.grading_workers, eval.grading_timeout_s),
+so no completion can stop an evaluation or run in its process.
 
 Metric names mirror verl's validation (mean@n, maj@k) and lighteval's / lm-eval's pass@k, under eval/<set>/:
 greedy, mean@<n>, pass@<k>, maj@<k>, length (mean completion tokens of the samples, else of greedy),
@@ -97,7 +98,8 @@ class EvalSettings:
         samples: prompts per set whose completions an evaluation during training keeps (samples/step_<k>.jsonl,
             a wandb Table); 0 keeps none.
         grading_workers: worker processes that check the completions of sets whose checker can hang
-            (`Task.checker_may_hang`: math-verify, sympy in reasoning-gym); 0 checks them in this process.
+            (`Task.checker_may_hang`: math-verify; reasoning-gym's sympy and eval verifiers); 0 checks them in this
+            process.
         grading_timeout_s: the longest one check may take in a worker; beyond it, the completion counts as wrong
             (eval/<set>/grading_failures).
     """

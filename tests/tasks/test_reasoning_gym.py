@@ -2,17 +2,26 @@
 sampling is deterministic, demonstrations score 1, bad names and settings are refused in one line, the
 task's BPE tokenizer round-trips and reloads, and one real RL step runs on it."""
 
+import os
 import random
 import re
 
 import pytest
+import torch
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from gspo_lab.cold_start import cache_key
+from gspo_lab.eval_sets import build_eval
+from gspo_lab.grading.scan import risky_call
 from gspo_lab.models import TinyModel
+from gspo_lab.rewards import build_rewards
+from gspo_lab.rollout.collection import reward_inputs
+from gspo_lab.rollout.generation import Completions
 from gspo_lab.sft import SFTConfig
 from gspo_lab.tasks import Example, ReasoningGym
+from gspo_lab.tasks.reasoning_gym import registry
 from gspo_lab.train import ConfigError, build, plan, train
 
 WORDS = {"min_words": 3, "max_words": 3}
@@ -153,7 +162,73 @@ def test_a_prompt_and_budget_beyond_the_models_positions_are_refused_before_trai
                    "sft.enabled=false", f"paths.output_dir={tmp_path}"]))  # ~115-token prompts + 80 fit 256
 
 
-def test_only_verifiers_that_use_sympy_are_checked_in_killable_workers():
-    """sympy can run without end on model output; string checks cannot, and grade in the training process."""
-    assert not ReasoningGym(dataset="word_sorting").checker_may_hang
-    assert ReasoningGym(dataset="polynomial_equations").checker_may_hang
+EVALS = ["string_insertion", "spiral_matrix", "binary_matrix", "n_queens"]  # score_answer eval()s the completion
+TOWER = "9**9**9**9"  # eval never returns: 9 ** (9 ** 387420489)
+
+
+@pytest.mark.parametrize("dataset, reached", [
+    ("word_sorting", None),
+    ("word_sequence_reversal", None),
+    ("polynomial_equations", None),  # sympy builds the equations; the verifier compares floats
+    ("polynomial_multiplication", "sp (sympy) in PolynomialMultiplicationDataset.score_answer"),
+    ("countdown", "parse_expr (sympy) in CountdownDataset.score_answer"),
+    ("string_insertion", "eval in StringInsertionDataset.score_answer"),
+    ("spiral_matrix", "eval in SpiralMatrixDataset.score_answer"),
+    ("binary_matrix", "eval in BinaryMatrixDataset.score_answer"),
+    ("n_queens", "eval in NQueensDataset.score_answer"),
+    ("bitwise_arithmetic", "eval in verify_solution"),  # of the reference, through a function it calls
+])
+def test_verifiers_that_run_text_or_sympy_are_read_from_their_code_and_grade_apart(dataset, reached):
+    """sympy can run without end on model output, and eval() runs it as Python; string checks do neither and
+    grade in the training process."""
+    verifier = registry()[dataset][0]
+    assert risky_call(verifier.score_answer, verifier) == reached
+    assert ReasoningGym(dataset=dataset, dataset_size=10).checker_may_hang == (reached is not None)
+
+
+def writer(path) -> str:
+    """A completion that, evaluated as Python, appends the id of the process evaluating it to `path`."""
+    return f"__import__('builtins').open(r'{path}', 'a').write(str(__import__('os').getpid()) + ' ')"
+
+
+def completions_of(texts: list[str]) -> Completions:
+    """What a sampler returns for `texts` (one token each: only the texts are graded)."""
+    ones = torch.ones(len(texts), 1, dtype=torch.long)
+    return Completions(ones, ones, ones, ones, torch.zeros(len(texts), dtype=torch.bool), list(texts))
+
+
+@pytest.mark.parametrize("dataset", EVALS)
+def test_completions_a_verifier_evals_grade_outside_the_trainer_in_rl(dataset, compose, tmp_path):
+    """A power tower stopped the run for good, and any expression the policy wrote ran inside the trainer."""
+    cfg = compose(["task=reasoning_gym", f"task.dataset={dataset}", "task.eval_size=1", "reward.timeout_s=1"])
+    task = instantiate(cfg.task)
+    rewards = build_rewards(cfg.reward, task)  # reward=task: num_workers null, a worker where the checker can hang
+    assert rewards.runner is not None
+    example, written = task.eval_examples()[0], tmp_path / "pids"
+    try:  # the tower last: its worker is killed and replaced, and the run goes on
+        scores = rewards.score(*reward_inputs([example] * 3, completions_of([example.answer, writer(written), TOWER])))
+    finally:
+        rewards.runner.close()
+    assert scores.total.tolist() == [1.0, 0.0, 0.0]
+    assert (scores.metrics["reward/timeouts"], scores.metrics["reward/errors"]) == (1.0, 0.0)
+    evaluated_in = written.read_text().split()  # the writer was evaluated, once, by a process other than this one
+    assert len(evaluated_in) == 1 and evaluated_in != [str(os.getpid())]
+
+
+def test_completions_a_verifier_evals_grade_outside_the_trainer_in_evaluation(compose, tmp_path):
+    """The same in evaluation, where the run's held-out set (word_sorting, a string check) grades in this process."""
+    written = tmp_path / "pids"
+    cfg = compose(["task=reasoning_gym", "task.eval_size=2", "eval.grading_timeout_s=1",
+                   *[f"+eval.sets.{name}.task.dataset={name}" for name in EVALS]])
+    plan = build_eval(cfg, instantiate(cfg.task), instantiate(cfg.prompt))
+    evaluator = plan.evaluator(None, 4, [], 0)
+    assert plan.grader is not None and [s.grader is plan.grader for s in evaluator.sets] == [False] + [True] * 4
+    try:
+        metrics, _ = evaluator.run(None, None, sampler=lambda *args, **kwargs: completions_of([writer(written), TOWER]))
+    finally:
+        plan.close()
+    for name in EVALS:
+        assert (metrics[f"eval/{name}/greedy"], metrics[f"eval/{name}/grading_failures"]) == (0.0, 1.0), name
+    assert metrics["eval/heldout/grading_failures"] == 0.0
+    evaluated_in = written.read_text().split()
+    assert len(evaluated_in) == len(EVALS) and str(os.getpid()) not in evaluated_in

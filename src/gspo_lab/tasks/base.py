@@ -38,8 +38,9 @@ class Task(ABC):
 
     name = "task"
     # whether the checker (`is_correct`, `answer_of`, `reward`) can run without end on some model output (sympy
-    # under math-verify or a third-party verifier): its calls then go to killable grading workers
-    # (gspo_lab.grading.pool) in training (reward.num_workers) and evaluation (eval.grading_workers)
+    # under math-verify or a third-party verifier, eval() of the completion): its calls then go to killable grading
+    # workers (gspo_lab.grading.pool) in training (reward.num_workers) and evaluation (eval.grading_workers), so
+    # model output that it runs as Python never runs in the trainer
     checker_may_hang = False
 
     def __init__(self, eval_fraction=0.1, eval_seed=1234, eval_size=400, format_weight=0.0) -> None:

@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import random
-import sys
 
 from omegaconf import DictConfig, OmegaConf
 
+from gspo_lab.grading.scan import risky_call
 from gspo_lab.tasks.base import Example, Task
 
 DATASET_SEED = 0
@@ -100,11 +100,12 @@ class ReasoningGym(Task):
 
     @property
     def checker_may_hang(self) -> bool:
-        """Whether the dataset's verifier uses sympy (the algebra, geometry, countdown and 24 datasets), which can
-        run without end on model output; the rest (sorting, reversal, ...) are string checks."""
-        module = vars(sys.modules[type(self.dataset).__module__])
-        return any(str(getattr(value, "__module__", None) or getattr(value, "__name__", "")).startswith("sympy")
-                   for value in module.values())
+        """Whether the dataset's verifier, read from its code (`risky_call`), runs text as Python (string_insertion,
+        spiral_matrix, binary_matrix and n_queens `eval` the completion), starts a process or uses sympy (the
+        integration, countdown and 24 datasets): on model output it can run without end or do what the text says,
+        so it grades in killable workers. The rest (sorting, reversal, ...) are string and number checks."""
+        dataset = type(self.dataset)
+        return risky_call(dataset.score_answer, dataset) is not None
 
     def demonstration(self, example: Example) -> str:
         return example.answer
