@@ -16,6 +16,12 @@ class HangingArithmetic(Arithmetic):
         return False
 
 
+class GradedApart(Arithmetic):
+    """Arithmetic whose checker says it can hang, so it grades in a killable worker (and returns at once there)."""
+
+    checker_may_hang = True
+
+
 class ExtractionRefused(Arithmetic):
     """Arithmetic whose answer extraction raises: shows where evaluation extracts answers."""
 

@@ -9,7 +9,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from gspo_lab.cold_start import INFO_FILE, cache_key, cold_start, policy_from_config
-from gspo_lab.sft import SFTConfig
+from gspo_lab.sft import SFTConfig, SFTModule
+from tests.checked_tasks import GradedApart
 
 FAST_SFT = SFTConfig(steps=3, batch_size=8, eval_every=2, eval_size=8, max_new_tokens=4)
 
@@ -109,3 +110,19 @@ def test_the_cold_start_of_a_checkpoint_is_keyed_by_its_contents_not_its_path(ch
     saved.save_pretrained(path)
     _, (_, _, changed) = hf(compose, tmp_path, path, "sft.enabled=true")
     assert not changed["cache_hit"] and changed["path"] != first["path"]
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")  # evaluate() outside a Trainer
+def test_the_cold_starts_evaluations_send_its_checker_to_the_grading_worker_once(compose, tiny):
+    """A checker that grades in a worker crosses to it with the task's data; each evaluation built a new checker,
+    pickled the task again, and the worker kept every copy."""
+    task = GradedApart(eval_size=4)
+    model, tokenizer = instantiate(compose(tiny).model).load(task)
+    module = SFTModule(model, tokenizer, task, SFTConfig(eval_size=4, max_new_tokens=4, target_accuracy=1.0), 0)
+    try:
+        for step in range(3):
+            module.evaluate(step)
+        sent = set(module.grader.functions)
+        assert len(sent) == 1 and [worker.known for worker in module.grader.workers] == [sent]
+    finally:
+        module.grader.close()

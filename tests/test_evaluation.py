@@ -20,6 +20,7 @@ from gspo_lab.eval_cli import EvalError, check_tokenizer, evaluate_checkpoint, r
 from gspo_lab.eval_metrics import maj_at_k, pass_at_k
 from gspo_lab.eval_sets import build_eval
 from gspo_lab.evaluation import accuracy
+from gspo_lab.grading.checks import Checker
 from gspo_lab.models.builders import load_pretrained
 from gspo_lab.train import ConfigError, plan, train
 from tests.chat_model import save_chat_model
@@ -81,7 +82,7 @@ def test_heldout_greedy_is_the_accuracy_evaluation_always_computed(evaluated):
     run, cfg = evaluated
     model, tokenizer = load_pretrained(run / "final")
     task = instantiate(cfg.task)
-    expected = accuracy(model, tokenizer, task, task.eval_examples(), cfg.rollout.max_new_tokens)
+    expected = accuracy(model, tokenizer, Checker(task), task.eval_examples(), cfg.rollout.max_new_tokens)
     final = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("eval/accuracy")][-1]
     assert float(final["eval/accuracy"]) == expected
 

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 def accuracy(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    task: Task,
+    checker: Checker,
     examples: list[Example],
     max_new_tokens: int,
     batch_size: int = 256,
@@ -62,12 +62,13 @@ def accuracy(
     stop_token_ids: Sequence[int] = (),
     grader: GradingPool | None = None,
 ) -> float:
-    """Fraction of `examples` the task's checker accepts; greedy unless a sampling temperature is given. Prompts
+    """Fraction of `examples` a task's `checker` accepts; greedy unless a sampling temperature is given. Prompts
     are formatted by `render` (gspo_lab.prompts; default: the prompt text as it is); the checker runs in `grader`'s
-    killable workers when given (a check that times out counts as wrong), else in this process."""
+    killable workers when given (a check that times out counts as wrong), else in this process. Pass the same
+    checker to every evaluation: a grading pool sends each checker, and so the task's data, to each worker once."""
     if not examples:
-        raise ValueError(f"{type(task).__name__}: no evaluation examples to score")
-    correct, checker = 0, Checker(task)  # one checker: a grading pool sends it to each worker once
+        raise ValueError(f"{type(checker.task).__name__}: no evaluation examples to score")
+    correct = 0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         completions = generate(

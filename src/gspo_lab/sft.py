@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from gspo_lab.evaluation import accuracy
 from gspo_lab.grading import GradingPool
+from gspo_lab.grading.checks import Checker
 from gspo_lab.prompts import Renderer
 from gspo_lab.seeding import SFT_DEMONSTRATIONS, stream_seed
 from gspo_lab.tasks.base import Task
@@ -123,7 +124,9 @@ class SFTModule(L.LightningModule):
         self.render = render
         self.eval_set = task.eval_examples()[: config.eval_size]
         self.history: list[tuple[int, float]] = []  # (step, held-out accuracy)
-        # a checker that can hang (math-verify) checks in a killable worker; the caller closes it
+        # a checker that can hang (math-verify, eval of the completion) checks in a killable worker, which it
+        # crosses to once for every evaluation; the caller closes the worker
+        self.checker = Checker(task)
         self.grader = GradingPool(1, GRADING_TIMEOUT_S) if task.checker_may_hang else None
 
     def training_step(self, batch, batch_idx):
@@ -137,7 +140,7 @@ class SFTModule(L.LightningModule):
             self.evaluate(step)
 
     def evaluate(self, step: int) -> float:
-        acc = accuracy(self.model, self.tokenizer, self.task, self.eval_set, self.config.max_new_tokens,
+        acc = accuracy(self.model, self.tokenizer, self.checker, self.eval_set, self.config.max_new_tokens,
                        render=self.render, grader=self.grader)
         self.history.append((step, acc))
         self.log("sft/eval_accuracy", acc, prog_bar=True)
