@@ -68,6 +68,7 @@ from hydra.utils import instantiate
 from transformers import DynamicCache, TrainerCallback
 
 from gspo_lab import CONFIG_DIR
+from gspo_lab.decoder import CACHE
 from gspo_lab.rollout.generation import generate, position_ids, prefill_distinct_prompts
 from gspo_lab.rollout.logprobs import token_logprobs
 from gspo_lab.routing import is_moe
@@ -188,7 +189,7 @@ def floor_decode(model, ids: Tensor, mask: Tensor, positions: Tensor, prompt_len
     cache, start = (DynamicCache(config=model.config), 0) if cache is None else (cache, prompt_len - 1)
     for end in range(prompt_len, prompt_len + new_tokens):
         model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
-              past_key_values=cache, use_cache=True, logits_to_keep=1)
+              use_cache=True, logits_to_keep=1, **{CACHE: cache})
         start = end
 
 

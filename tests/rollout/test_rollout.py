@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gspo_lab.decoder import CACHE
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import PromptSchedule, generate, token_logprobs
 from gspo_lab.rollout import generation
@@ -208,7 +209,7 @@ def test_step_logprobs_keep_the_returned_tokens_and_drop_later_decode_steps(poli
             out = model(input_ids=prompt, use_cache=True)
             logits.append(out.logits[:, -1])
             for t in fed:
-                out = model(input_ids=tokens[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+                out = model(input_ids=tokens[:, t : t + 1], use_cache=True, **{CACHE: getattr(out, CACHE)})
                 logits.append(out.logits[:, -1])
         return recorder, logits
 

@@ -6,11 +6,14 @@ cache is not keys and values or blocks are checkpointed. The shared prefill of g
 with the same log-probs and record the same experts for every row. Under routing replay a shared forward gives
 each prompt its first row's recorded experts, which the module allows only where a prompt's rows agree."""
 
+import logging
+import warnings
 from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers.utils import logging as transformers_logging
 
 from gspo_lab.decoder import decoder_of
 from gspo_lab.models.builders import checkpoint_blocks
@@ -65,6 +68,28 @@ def logprobs_and_grads(model, ids, mask, completion_len, share: bool):
     logp.sum().backward()
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
     return logp.detach(), grads, calls
+
+
+def test_the_kv_cache_goes_by_the_name_the_installed_transformers_gives_it(tiny_family):
+    """transformers 5.24 renamed `past_key_values` to `cache` and warns at every use of the old name, as argument
+    or output field; 5.19 knows only the old one (gspo_lab.decoder.CACHE). Neither shared path warns."""
+    logged, handler = [], logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    library = logging.getLogger("transformers")
+    library.addHandler(handler)
+    transformers_logging.warning_once.cache_clear()  # a message it logged before would not be logged again
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            model, tokenizer = tiny_family("tiny_moe")
+            out = generate(model, tokenizer, PROMPTS, 3, share_prompts=True)
+            ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+            mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+            token_logprobs(model, ids, mask, out.completion_ids.shape[1], share_prompts=True)
+    finally:
+        library.removeHandler(handler)
+    said = logged + [str(warning.message) for warning in warned]
+    assert not [message for message in said if "past_key_values" in message], said
 
 
 @pytest.mark.numerics

@@ -29,7 +29,7 @@ from transformers import (
 )
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
-from gspo_lab.decoder import decoder_of
+from gspo_lab.decoder import CACHE, decoder_of
 from gspo_lab.routing.hooks import CallView, call_view
 from gspo_lab.sharding import is_sharded
 
@@ -255,8 +255,8 @@ def prefill_distinct_prompts(model: PreTrainedModel, input_ids: Tensor, attentio
     if len(distinct) == len(inverse) or not bool((mask.sum(-1) > 0).all()):
         return None
     with call_view(CallView(slice(0, prompt_len - 1), expand=inverse)):
-        cache = decoder_of(model)(input_ids=distinct[:, : prompt_len - 1], attention_mask=mask,
-                                  position_ids=position_ids(mask), use_cache=True).past_key_values
+        cache = getattr(decoder_of(model)(input_ids=distinct[:, : prompt_len - 1], attention_mask=mask,
+                                          position_ids=position_ids(mask), use_cache=True), CACHE)
     cache.reorder_cache(inverse)  # every cache layer: rows u -> rows n
     return cache
 
@@ -444,7 +444,7 @@ def _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, sup
     cache = None
     if share_prompts and not sharded:
         cache = prefill_distinct_prompts(model, encoded["input_ids"], encoded["attention_mask"])
-    prefilled = {} if cache is None else {"past_key_values": cache}
+    prefilled = {} if cache is None else {CACHE: cache}
     step_logprobs = StepLogprobs(temperature) if return_logprobs else None
     with only_this_generation_config(model, config), step_logprobs.hooked(model) if step_logprobs else nullcontext():
         output = model.generate(**encoded, generation_config=config, synced_gpus=synced, **prefilled,

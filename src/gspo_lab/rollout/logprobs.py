@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from gspo_lab.decoder import decoder_of
+from gspo_lab.decoder import CACHE, decoder_of
 from gspo_lab.rollout.generation import distinct_prompts, position_ids
 from gspo_lab.routing.hooks import CallView, call_view
 
@@ -163,12 +163,12 @@ def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: Tensor, attention_
     # a recorder stores this call's experts for all B rows; replay gives each prompt its first row's experts
     with call_view(CallView(slice(0, prompt_len), rows=first, expand=inverse)):
         prefix = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
-                         past_key_values=cache, use_cache=True)  # [U, P, H]; the prompts' keys and values in cache
+                         use_cache=True, **{CACHE: cache})  # [U, P, H]; the prompts' keys and values in cache
     cache.reorder_cache(inverse)  # every cache layer: rows u -> rows b (index_select)
     with call_view(CallView(slice(prompt_len, None))):
         completions = decoder(
             input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask)[:, prompt_len:], past_key_values=cache, use_cache=True,
+            position_ids=position_ids(attention_mask)[:, prompt_len:], use_cache=True, **{CACHE: cache},
         ).last_hidden_state  # [B, C, H]
     last_prompt = prefix.last_hidden_state[inverse, -1:]  # [B, 1, H]: predicts the first completion token
     return torch.cat([last_prompt, completions[:, :-1]], 1)  # [B, C, H]
