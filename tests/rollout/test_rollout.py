@@ -1,5 +1,7 @@
 """Generation tensors, log-probs (chunked, temperature, gradients) and the prompt schedule."""
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -218,6 +220,56 @@ def test_step_logprobs_keep_the_returned_tokens_and_drop_later_decode_steps(poli
     assert torch.equal(recorder.of(tokens)[0], expected)  # bitwise: the hook sees these very logits
     synced, _ = decode([0, 1, 2, 2, 2])  # token 2 fed back, then twice more by a finished rank
     assert torch.equal(synced.of(tokens)[0], expected)
+
+
+class ReusedGraphOutputs:
+    """A torch.compile backend that treats what compiled code returns as CUDA graph trees do on a GPU
+    (torch._inductor.cudagraph_trees): each call of the compiled function starts a new generation, whose replays
+    reuse the memory of the last generation's outputs. Here they are overwritten with NaN (floating outputs that
+    are not the graph's own inputs: parameters and caches stay), so what outlives its step shows."""
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+        self.graphs = 0
+
+    def compile(self, function):
+        compiled = torch.compile(function, backend=self.backend)
+
+        def call(*args, **kwargs):
+            for output in self.outputs:
+                output.fill_(math.nan)
+            self.outputs = []
+            return compiled(*args, **kwargs)
+        return call
+
+    def backend(self, graph, example_inputs):
+        self.graphs += 1
+
+        def run(*args):
+            inputs = {arg.untyped_storage().data_ptr() for arg in args if isinstance(arg, torch.Tensor)}
+            outputs = graph(*args)
+            self.outputs += [out for out in outputs if isinstance(out, torch.Tensor) and out.is_floating_point()
+                             and out.untyped_storage().data_ptr() not in inputs]
+            return outputs
+        return run
+
+
+def test_step_logprobs_keep_nothing_that_cuda_graphs_overwrite():
+    """generate(cache_implementation="static") compiles each decode step on a GPU (CUDA graphs: each step's
+    outputs are overwritten by the next one's). The hooks run outside the compiled code, so the log-probs they
+    keep are their own tensors: those of the uncompiled run, not NaN."""
+    torch.manual_seed(0)
+    model, tok = TinyModel(arch="qwen3", config={**SMALL, "intermediate_size": 64}).load()
+    prompts, seeds = ["12+3=", "1=", "999+1="], torch.arange(3)
+    eager = generate(model, tok, prompts, 6, return_logprobs=True, row_seeds=seeds, cache_implementation="static")
+    graphs = ReusedGraphOutputs()
+    model._valid_auto_compile_criteria = lambda *args: True  # generate's own test: a GPU and a static cache
+    model.get_compiled_call = lambda compile_config: graphs.compile(model.__call__)
+    compiled = generate(model, tok, prompts, 6, return_logprobs=True, row_seeds=seeds, cache_implementation="static")
+    assert graphs.graphs and graphs.outputs  # the decode steps ran compiled, and their outputs were handed on
+    assert torch.equal(compiled.completion_ids, eager.completion_ids)
+    # the graph's ops may round differently from the eager ones (|log p| <= ~5, float32); NaN fails
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=0, atol=1e-5)
 
 
 def test_a_saved_generation_config_changes_no_sample():

@@ -394,7 +394,10 @@ class StepLogprobs:
     raw logits (before any processor: the un-truncated distribution training computes). A forward hook keeps the
     last call's [N, V] log-probs until the next call's input_ids, the tokens sampled from them, pick theirs, so one
     step's logits are held instead of all of them (`output_logits` keeps N x C x V floats: 80 GB for 128 x 1,024
-    tokens at a 152k vocabulary). Decode steps beyond the returned ones (FSDP's synced_gpus) are dropped."""
+    tokens at a 152k vocabulary). Decode steps beyond the returned ones (FSDP's synced_gpus) are dropped.
+    The hooks run outside compiled code (`torch.compiler.disable`): where `generate` compiles its decode steps (a
+    static cache on a GPU, CUDA graphs), what they keep is a tensor of their own, computed from the step's logits
+    while those are valid, not a graph output that the next step's replay overwrites."""
 
     def __init__(self, temperature: float) -> None:
         self.temperature = temperature
@@ -411,11 +414,13 @@ class StepLogprobs:
             for handle in handles:
                 handle.remove()
 
+    @torch.compiler.disable
     def _before(self, module, args, kwargs) -> None:
         if self.pending is not None:  # this call feeds the tokens sampled from the last one's logits
             self.steps.append(self.pending.gather(-1, kwargs["input_ids"][:, -1:]))
             self.pending = None
 
+    @torch.compiler.disable
     def _after(self, module, args, kwargs, output) -> None:
         logits = output.logits[:, -1].float()  # [N, V]; x / 1 is x: no pass over it at temperature 1
         self.pending = (logits if self.temperature == 1 else logits / self.temperature).log_softmax(-1)
