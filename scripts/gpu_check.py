@@ -279,7 +279,7 @@ def decode_table(settings: Settings, workload: str, overrides: list[str]) -> str
         for name, kwargs in ways.items():
             compiled = "cache_implementation" in kwargs  # generate compiles it on a GPU: no Python wrappers in it
             try:
-                with nullcontext([("(not recorded)", 0)]) if compiled else recorded_kernels() as calls:
+                with nullcontext() if compiled else recorded_kernels(model) as calls:
                     done = lab(new_tokens, **kwargs)  # also the warm-up (and the static cache's compilation)
                 full = timed(lambda n: lab(n, **kwargs), new_tokens)
                 first = timed(lambda n: lab(n, **kwargs), 1)
@@ -287,10 +287,8 @@ def decode_table(settings: Settings, workload: str, overrides: list[str]) -> str
                 results.append([name, f"failed: {type(error).__name__}: {str(error)[:200]}", "", ""])
                 continue
             tokens_of[name] = done.completion_ids
-            prefill = sorted({kernel for kernel, n in calls if n != rows})
-            decoding = prefill if compiled else sorted({kernel for kernel, n in calls if n == rows})
             per_step = 1000 * (full - first) / (new_tokens - 1)
-            results.append([name, f"{per_step:.2f}", ", ".join(prefill) or "-", ", ".join(decoding) or "-"])
+            results.append([name, f"{per_step:.2f}", *kernels_by_phase(calls)])
         if done is None:  # every way failed: no tokens for the floor to replay
             return table(["decode", "ms per decode step", "prefill kernel", "decode kernel"], results)
         ids = torch.cat([done.prompt_ids, done.completion_ids], 1)
@@ -300,12 +298,11 @@ def decode_table(settings: Settings, workload: str, overrides: list[str]) -> str
         def floor(tokens: int) -> None:  # bench_vs_trl's floor decoding, without prefill sharing
             floor_decode(model, ids, mask, positions, prompt_len, tokens)
 
-        with recorded_kernels() as calls:
+        with recorded_kernels(model) as calls:
             floor(new_tokens)
         per_step = 1000 * (timed(floor, new_tokens) - timed(floor, 1)) / (new_tokens - 1)
         results.append(["floor (the model called directly, no prefill sharing)", f"{per_step:.2f}",
-                        ", ".join(sorted({k for k, n in calls if n != rows})),
-                        ", ".join(sorted({k for k, n in calls if n == rows}))])
+                        *kernels_by_phase(calls)])
     reference = tokens_of.get(next(iter(ways)))
     same = {name: f"{(ids_ == reference).float().mean().item():.1%} of tokens equal" for name, ids_ in
             tokens_of.items()} if reference is not None else {}
@@ -316,6 +313,16 @@ def decode_table(settings: Settings, workload: str, overrides: list[str]) -> str
             + "\nTokens against the first row's (same row seeds; in 16-bit a different cache rounds differently, "
             "and one changed token changes the rest of its row): "
             + "; ".join(f"{name}: {verdict}" for name, verdict in same.items()) + "\n")
+
+
+def kernels_by_phase(calls: list | None) -> list[str]:
+    """The prefill's and the decode steps' experts kernels (gspo_lab.models.experts.recorded_kernels: the phase of
+    each call's forward) as two table cells; `calls` None: not recorded (a compiled generate runs none of the
+    recorder's Python)."""
+    if calls is None:
+        return ["(not recorded)"] * 2
+    return [", ".join(sorted({call.kernel for call in calls if call.phase == phase})) or "-"
+            for phase in ("prefill", "decode")]
 
 
 def bench_gpu(settings: Settings, timeout: float) -> str:

@@ -7,10 +7,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from gspo_lab.models import TinyModel
+from gspo_lab.models.experts import recorded_kernels
+from gspo_lab.rollout.generation import generate
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
+
+DECODE_MOE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 16, "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 16}
 
 
 def test_the_device_command_fits_the_tool_and_names_the_carried_wheels():
@@ -45,6 +54,25 @@ def test_a_step_that_does_not_fit_the_budget_is_skipped_and_named(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| commit |" in report  # environment ran (20 s of 60)
     assert "Skipped: " in report and "--only bench_gpu" in report  # 300 s: not started, and the rerun named
+
+
+def test_the_decode_table_reads_each_forward_s_phase_not_its_token_count():
+    """bench_gpu's shared prefill, with counts that collide: 2 prompts of 5 tokens in groups of 4 make 8 rows, and
+    the distinct prompts' prefill (2 x 4 tokens), generate's own prefill (its last prompt token per row) and each
+    decode step all run 8 tokens. transformers swaps the decode steps' kernel on a GPU; here its own swap code
+    runs on the CPU through a model that says it is on a GPU."""
+    model, tokenizer = TinyModel(arch="qwen3_moe", config=DECODE_MOE, experts_implementation="grouped_mm").load()
+    on_accelerator = type("OnAccelerator", (), {"device": torch.device("cuda"),
+                                                "__getattr__": lambda _, name: getattr(model, name)})()
+    model._optimize_model_for_decode = lambda: type(model)._optimize_model_for_decode(on_accelerator)
+    with recorded_kernels(model) as calls:
+        generate(model, tokenizer, ["12+3", "45+6"] * 4, 4, suppress_eos=True, share_prompts=True,
+                 decode_experts_kernel="transformers", row_seeds=torch.arange(8))
+    assert {call.tokens for call in calls} == {8}  # no count tells the phases apart
+    layers = model.config.num_hidden_layers
+    assert [call.phase for call in calls] == ["prefill"] * 2 * layers + ["decode"] * 3 * layers
+    assert gpu_check.kernels_by_phase(calls) == ["grouped_mm", "batched_mm"]
+    assert gpu_check.kernels_by_phase(None) == ["(not recorded)"] * 2  # a compiled generate
 
 
 @pytest.mark.slow

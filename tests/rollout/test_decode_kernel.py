@@ -31,25 +31,25 @@ def rollout(model, tokenizer, **kwargs):
 def test_generate_runs_grouped_mm_under_its_kept_name_in_every_phase_and_restores_it():
     model, tokenizer = tiny_moe("grouped_mm")
     layers = model.config.num_hidden_layers
-    with recorded_kernels() as calls:
+    with recorded_kernels(model) as calls:
         kept = rollout(model, tokenizer)
-    assert {name for name, _ in calls} == {KEPT_GROUPED_MM}
-    decode_calls = [tokens for _, tokens in calls if tokens == ROWS]  # one token per row
-    assert len(decode_calls) == layers * (NEW_TOKENS - 1)  # the prefill samples the first token
+    assert {call.kernel for call in calls} == {KEPT_GROUPED_MM}
+    decode_calls = [call.tokens for call in calls if call.phase == "decode"]
+    assert decode_calls == [ROWS] * layers * (NEW_TOKENS - 1)  # one token per row; the prefill samples the first
     assert len(calls) == layers * NEW_TOKENS
     assert model.get_experts_implementation()[""] == "grouped_mm"
-    with recorded_kernels() as calls:
+    with recorded_kernels(model) as calls:
         swapped = rollout(model, tokenizer, decode_experts_kernel="transformers")
-    assert {name for name, _ in calls} == {"grouped_mm"}  # on a CPU transformers keeps grouped_mm itself
+    assert {call.kernel for call in calls} == {"grouped_mm"}  # on a CPU transformers keeps grouped_mm itself
     assert torch.equal(kept.completion_ids, swapped.completion_ids)  # one function under two names
     assert torch.equal(kept.logprobs, swapped.logprobs)
 
 
 def test_other_kernels_are_left_as_they_are():
     model, tokenizer = tiny_moe("index_add")
-    with recorded_kernels() as calls:
+    with recorded_kernels(model) as calls:
         rollout(model, tokenizer)
-    assert {name for name, _ in calls} == {"index_add"}
+    assert {call.kernel for call in calls} == {"index_add"}
 
 
 def test_transformers_decode_swap_skips_the_kept_kernel_on_an_accelerator():

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_linear, grouped_mm_experts_forward
+
+from gspo_lab.decoder import CACHE, decoder_of
 
 NAME = "index_add"
 
@@ -50,20 +53,46 @@ def index_add_experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_
 ALL_EXPERTS_FUNCTIONS.register(NAME, index_add_experts_forward)
 
 
+class KernelCall(NamedTuple):
+    kernel: str  # the registered name of the experts kernel
+    tokens: int  # the tokens it ran on
+    phase: str  # "prefill" or "decode": that of the decoder forward it ran in (`recorded_kernels`)
+
+
 @contextmanager
-def recorded_kernels() -> Iterator[list[tuple[str, int]]]:
-    """Meanwhile every call of a registered experts kernel appends (its name, the tokens it ran on) to the list
-    yielded, then runs the kernel: which kernel each phase of `generate` runs (a prefill's call has the prompt
-    tokens of every row, a decode step's one token per row). A diagnostic for tests and scripts/gpu_check.py."""
-    calls: list[tuple[str, int]] = []
+def recorded_kernels(model: torch.nn.Module) -> Iterator[list[KernelCall]]:
+    """Meanwhile every call of a registered experts kernel in `model` (a causal LM) appends a `KernelCall` to the
+    list yielded, then runs the kernel: which kernel each phase of `generate` runs. The phase is read from each
+    decoder forward, not from token counts (a shared prefill of U prompts of P tokens and a decode step of N rows
+    both run N tokens where U (P - 1) = N): a prefill is `generate`'s first forward (`GenerationMixin._prefill`,
+    which samples the first token and runs before transformers' decode-kernel swap, also when it continues a
+    shared prefill's cache) or a forward from an empty KV cache (a shared prefill, the floor's first call); any
+    other forward is a decode step. A diagnostic for tests and scripts/gpu_check.py."""
+    calls: list[KernelCall] = []
     saved = dict(ALL_EXPERTS_FUNCTIONS.items())
+    phase, in_prefill = "prefill", False
 
     def recording(name, kernel):
         def run(module, hidden_states, *args, **kwargs):
-            calls.append((name, hidden_states.shape[0]))
+            calls.append(KernelCall(name, hidden_states.shape[0], phase))
             return kernel(module, hidden_states, *args, **kwargs)
         return run
 
+    def read_phase(_module, _args, kwargs) -> None:
+        nonlocal phase
+        cache = kwargs.get(CACHE)
+        phase = "prefill" if in_prefill or cache is None or cache.get_seq_length() == 0 else "decode"
+
+    def prefill(*args, **kwargs):
+        nonlocal in_prefill
+        in_prefill = True
+        try:
+            return generate_prefill(*args, **kwargs)
+        finally:
+            in_prefill = False
+
+    generate_prefill, model._prefill = model._prefill, prefill
+    hook = decoder_of(model).register_forward_pre_hook(read_phase, with_kwargs=True)
     for name, kernel in saved.items():
         ALL_EXPERTS_FUNCTIONS.register(name, recording(name, kernel))
     try:
@@ -71,3 +100,5 @@ def recorded_kernels() -> Iterator[list[tuple[str, int]]]:
     finally:
         for name, kernel in saved.items():
             ALL_EXPERTS_FUNCTIONS.register(name, kernel)
+        hook.remove()
+        del model._prefill  # the class's again
