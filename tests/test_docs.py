@@ -109,13 +109,15 @@ COMMITTED_STUDIES = {"paper_main": "algorithm=gspo", "routing_replay": "algorith
                      "clip_lr/default": "algorithm=grpo clip_scale=1.0 train.lr=0.0001",
                      "clip_lr/low_start": "algorithm=gspo clip_scale=1.0"}
 # a study's other gspo-report options, where it has any (a folder below a study: one of its tasks)
-CLIP_LR = {"grid": ("train.lr", "clip_scale"), "grid_baseline": "1.0"}
+CLIP_LR = {"grid": ("train.lr", "clip_scale"), "grid_baseline": "1.0", "setting_figures": False}
 STUDY_OPTIONS = {"entropy": {"metric": "entropy"}, "clip_lr/byo": CLIP_LR, "clip_lr/default": CLIP_LR,
                  "clip_lr/low_start": CLIP_LR}
 
 
 def option_text(options: dict) -> str:
-    return "".join(f" --{key.replace('_', '-')} {','.join(v) if isinstance(v, tuple) else v}"
+    """gspo-report's command-line spelling of report()'s options (False: the flag --no-<option>)."""
+    return "".join(f" --no-{key.replace('_', '-')}" if v is False else
+                   f" --{key.replace('_', '-')} {','.join(v) if isinstance(v, tuple) else v}"
                    for key, v in options.items())
 
 

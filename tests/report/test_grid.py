@@ -2,6 +2,8 @@
 its own columns, cells the mean over seeds, paired differences against the chosen column on shared seeds, a heatmap
 per metric logged, and a key some setting lacks refused by name before anything is written."""
 
+import re
+
 import pytest
 
 from gspo_lab.report.study import main, report
@@ -54,6 +56,15 @@ def test_a_heatmap_per_metric_the_runs_logged(grid_sweep, tmp_path):
     drawn = sorted(p.name for p in (tmp_path / "out").glob("grid_*.png"))
     assert drawn == ["grid_accuracy_gain.png", "grid_clip_frac.png", "grid_held_out_accuracy.png"]  # no ratio logged
     assert "![grid_clip_frac.png](grid_clip_frac.png)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_without_setting_figures_the_report_draws_and_links_the_heatmaps_alone(grid_sweep, tmp_path):
+    """--no-setting-figures: no figure with a line per setting, and report.md links none (experiments/clip_lr)."""
+    main([str(grid_sweep), "--out", str(tmp_path / "out"), "--grid", "train.lr,clip_scale", "--no-setting-figures"])
+    drawn = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    assert drawn == ["grid_accuracy_gain.png", "grid_clip_frac.png", "grid_held_out_accuracy.png"]
+    linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (tmp_path / "out" / "report.md").read_text())
+    assert sorted(linked) == drawn
 
 
 def test_a_grid_key_some_setting_lacks_is_refused_naming_the_keys(grid_sweep, tmp_path, capsys):

@@ -154,9 +154,10 @@ def sections(study: Study, dirs: list[Path], baseline: str | None, collapse_drop
 
 def report(dirs: list[Path], out: Path, baseline: str | None = None, collapse_drop: float = 0.1,
            bootstrap_seed: int = 0, metric: str = HEADLINE[0], grid: tuple[str, str] | None = None,
-           grid_baseline: str | None = None) -> str:
+           grid_baseline: str | None = None, setting_figures: bool = True) -> str:
     """Writes report.md, report.html, statistics.csv, paired.csv and the figures (with `grid`, the grid's
-    heatmaps) into `out`; returns the text it prints."""
+    heatmaps; without `setting_figures`, none of those with a line per setting) into `out`; returns the text it
+    prints."""
     study = discover(dirs)
     if not study.runs:
         raise SystemExit(
@@ -177,9 +178,11 @@ def report(dirs: list[Path], out: Path, baseline: str | None = None, collapse_dr
     text, frames = sections(study, dirs, baseline, collapse_drop, bootstrap_seed, notes, metric, grid, grid_baseline)
     out.mkdir(parents=True, exist_ok=True)
     collapsed = {run.path for run in study.complete if run.collapsed(collapse_drop)}
-    wanted = {**CURVES, **eval_set_curves(study, metric)}
-    drawn = [name for name, spec in wanted.items() if curves(study, *spec, out / name, bootstrap_seed, collapsed)]
-    drawn += [PROFILE] if profile(study, out / PROFILE, bootstrap_seed) else []
+    drawn = []
+    if setting_figures:
+        wanted = {**CURVES, **eval_set_curves(study, metric)}
+        drawn += [name for name, spec in wanted.items() if curves(study, *spec, out / name, bootstrap_seed, collapsed)]
+        drawn += [PROFILE] if profile(study, out / PROFILE, bootstrap_seed) else []
     drawn += heatmaps(study, *grid, out) if grid is not None else []
     for name, frame in frames.items():
         frame.to_csv(out / f"{name}.csv", index=False)
@@ -213,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
                         "the headline metrics, and paired differences against a column")
     parser.add_argument("--grid-baseline", help="the COLUMN value the grid's paired differences are taken against, "
                         "in every row (default: each panel's first column)")
+    parser.add_argument("--no-setting-figures", dest="setting_figures", action="store_false", help="leave out the "
+                        "figures with a line per setting (the curves and the performance profile), which many "
+                        "settings make unreadable; with --grid its heatmaps show them instead")
     args = parser.parse_args(argv)
     grid = tuple(args.grid.split(",")) if args.grid else None
     if args.grid_baseline is not None and grid is None:
@@ -221,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"gspo-report: --grid={args.grid!r}: expected two keys, ROW,COLUMN (e.g. train.lr,clip_scale)\n")
     try:
         text = report(args.dirs, args.out or args.dirs[0], args.baseline, args.collapse_drop, args.bootstrap_seed,
-                      args.metric, grid, args.grid_baseline)
+                      args.metric, grid, args.grid_baseline, args.setting_figures)
     except (UnknownBaseline, UnknownMetric, UnknownGridKey) as error:
         parser.exit(2, f"gspo-report: {error}\n")
     print(text)
