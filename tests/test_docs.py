@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +14,30 @@ from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab.report.study import report
 from scripts import config_reference, doc_commands
-from scripts.config_reference import CONF, PAGE, parse, render
+from scripts.config_reference import CONF, PAGE, ROOT, parse, render
+
+
+def make_docs_command() -> list[str]:
+    """The mkdocs command line of `make docs` (the Makefile's), run with this interpreter."""
+    line = next(line for line in (ROOT / "Makefile").read_text().splitlines() if "mkdocs build" in line)
+    return [sys.executable, "-m", "mkdocs", *line.split("bin/mkdocs", 1)[1].split()]
+
+
+@pytest.mark.slow
+def test_make_docs_fails_on_a_broken_link(tmp_path):
+    """The site built by `make docs` from a copy of the docs with one link broken: it fails, naming the link."""
+    for package in ("mkdocs", "material", "mkdocstrings"):
+        pytest.importorskip(package, reason="the docs extras: make docs installs them")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    for name in ("mkdocs.yml", "mkdocs_hooks.py"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    for name in ("src", "experiments"):  # the API reference's sources; the studies the hook adds
+        (tmp_path / name).symlink_to(ROOT / name)
+    page = tmp_path / "docs" / "getting-started.md"
+    page.write_text(page.read_text() + "\nSee [the missing page](no-such-page.md).\n")
+    built = subprocess.run([*make_docs_command(), "--site-dir", str(tmp_path / "site")], cwd=tmp_path,
+                           capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert built.returncode != 0 and "no-such-page.md" in built.stderr, built.stderr[-3000:]
 
 
 def test_the_config_reference_page_is_up_to_date_with_conf():
