@@ -21,6 +21,7 @@ import torch
 
 from gspo_lab.objectives import (GDPO, RLOO, GroupAdvantage, PassAtK, ReinforcePlusPlusBaseline,
                                  frac_zero_std)
+from gspo_lab.objectives.advantages import scored_advantages
 from gspo_lab.train import build
 from tests.numerics import assert_rounding_close
 
@@ -262,6 +263,128 @@ def test_gdpo_by_hand():
     assert adv.tolist() == pytest.approx([k * math.sqrt(0.3) for k in (1, -1, 2, -2)], abs=1e-6)
 
 
+# --- unscorable completions (every reward function returned None) ------------------------------------------------
+
+ESTIMATORS = {"group": GroupAdvantage(), "group_batch": GroupAdvantage(scale="batch"),
+              "group_none": GroupAdvantage(scale="none"), "rloo": RLOO(), "reinforce_plus_plus_baseline":
+              ReinforcePlusPlusBaseline(), "passk": PassAtK(), "passk_none": PassAtK(scale="none"), "gdpo": GDPO()}
+GROUPS, GROUP_SIZE = 5, 4
+# the rows no reward function scored, and the group size of what is left
+UNSCORABLE = {"a whole group": ([8, 9, 10, 11], 4), "a row of each group": ([0, 5, 10, 15, 16], 3),
+              "a group and a row of each other": ([8, 9, 10, 11, 0, 5, 15, 16], 3)}
+
+
+def scored_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Components [N, 2] (a 0/1 accuracy and a penalty in [-1, 0]), weights [2] and token counts [N] of GROUPS
+    groups of GROUP_SIZE, float64: group 0 equal in both, group 1 wrong throughout (its totals below 0, where a 0
+    put in for an unscorable row would be the best)."""
+    g = torch.Generator().manual_seed(seed)
+    n = GROUPS * GROUP_SIZE
+    components = torch.stack([(torch.rand(n, generator=g, dtype=torch.float64) > 0.5).double(),
+                              -torch.rand(n, generator=g, dtype=torch.float64)], -1)
+    components[:GROUP_SIZE] = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    components[GROUP_SIZE : 2 * GROUP_SIZE, 0] = 0.0
+    return components, torch.tensor([1.0, 0.5], dtype=torch.float64), torch.randint(1, 9, (n,), generator=g)
+
+
+def rollout_advantages(estimator, components, weights, token_counts, group_size) -> torch.Tensor:
+    """The advantages the rollout gives: a row whose components are all NaN is unscorable, its total 0 (`Scores`)."""
+    totals = (components * weights).nansum(-1)
+    available = {"components": components, "weights": weights, "token_counts": token_counts}
+    return scored_advantages(estimator, totals, ~components.isnan().all(-1), group_size,
+                             **{name: available[name] for name in estimator.inputs})
+
+
+@pytest.mark.parametrize("unscorable", UNSCORABLE)
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_unscorable_completions_take_no_part_in_any_estimator(name, unscorable):
+    """The scored rows' advantages are the estimator's on the batch without the unscorable rows; theirs are 0."""
+    rows, reduced_size = UNSCORABLE[unscorable]
+    components, weights, token_counts = scored_batch(seed=0)
+    kept = torch.ones(len(components), dtype=torch.bool)
+    kept[rows] = False
+    without = rollout_advantages(ESTIMATORS[name], components[kept], weights, token_counts[kept], reduced_size)
+    components[rows] = torch.nan
+    adv = rollout_advantages(ESTIMATORS[name], components, weights, token_counts, GROUP_SIZE)
+    close(adv[kept], without)
+    assert (adv[~kept] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["group", "group_none", "rloo", "passk", "passk_none"])
+def test_a_group_that_loses_rows_gets_the_estimator_of_what_is_left(name):
+    """Groups losing 1, 2, 0, 3 and 4 of their 4 rows: each group's scored rows get the estimator of the rows left
+    (a group of one: 0)."""
+    estimator = ESTIMATORS[name]
+    rewards = random_rewards(GROUPS, GROUP_SIZE, seed=3, binary=False).reshape(GROUPS, GROUP_SIZE)
+    scored = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    adv = estimator(torch.where(scored, rewards, torch.nan).flatten(), GROUP_SIZE).reshape(GROUPS, GROUP_SIZE)
+    for group in range(GROUPS - 1):  # the last has no row left: the line below
+        left = rewards[group][scored[group]]
+        expected = estimator(left, len(left)) if len(left) > 1 else torch.zeros_like(left)
+        close(adv[group][scored[group]], expected)
+    assert (adv[~scored] == 0).all()
+
+
+def test_reinforce_plus_plus_baseline_whitens_the_scored_rows_tokens_only_as_verl_would_without_the_rest():
+    """Groups losing 1, 2, 0, 1 and 4 rows: verl's estimator on the scored rows, grouped by their prompt."""
+    rewards = random_rewards(GROUPS, GROUP_SIZE, seed=4, binary=True)
+    lengths = torch.randint(1, 9, (len(rewards),), generator=torch.Generator().manual_seed(4))
+    scored = torch.tensor([1, 1, 0, 1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0], dtype=torch.bool)
+    adv = ReinforcePlusPlusBaseline()(torch.where(scored, rewards, torch.nan), GROUP_SIZE, token_counts=lengths)
+    response_mask = (torch.arange(8) < lengths[scored][:, None]).double()  # [n, T]
+    token_level = torch.zeros(int(scored.sum()), 8, dtype=torch.float64)
+    token_level[:, -1] = rewards[scored]
+    index = (torch.arange(len(rewards)) // GROUP_SIZE)[scored].tolist()
+    close(adv[scored][:, None] * response_mask, verl_reinforce_plus_plus_baseline(token_level, response_mask, index),
+          torch.float32)
+    assert (adv[~scored] == 0).all()
+
+
+def test_a_group_with_one_scored_completion_is_an_all_equal_group():
+    # groups (1, -, -, -) and (1, 0, 0, 1): the lone completion gets 0 ...
+    rewards = torch.tensor([1.0, torch.nan, torch.nan, torch.nan, 1.0, 0.0, 0.0, 1.0])
+    for estimator in (GroupAdvantage(), GroupAdvantage(scale="none"), RLOO(), PassAtK(), PassAtK(scale="none")):
+        assert estimator(rewards, 4)[:4].tolist() == [0, 0, 0, 0]
+    # ... and counts in the batch's statistics. REINFORCE++: a = (0 | 0.5, -0.5, -0.5, 0.5) on one token each, μ 0,
+    # σ² = 4 x 0.25 / (5 - 1) = 0.25 (without the lone one 1/3); GDPO (one function): Â = (NaN | ±sqrt(3)/2), s =
+    # (0 | ±sqrt(3)/2), Bessel std sqrt(3)/2: A = (0 | ±1)
+    adv = ReinforcePlusPlusBaseline()(rewards, 4, token_counts=torch.ones(8))
+    assert adv.tolist() == pytest.approx([0, 0, 0, 0, 1, -1, -1, 1], abs=1e-6)
+    adv = GDPO(eps=0.0)(rewards, 4, components=rewards[:, None], weights=torch.ones(1))
+    assert adv.tolist() == pytest.approx([0, 0, 0, 0, 1, -1, -1, 1], abs=1e-6)
+    # group, scale=batch: the scored rewards (1 | 1, 0, 0, 1), mean 0.6, population std sqrt(0.24)
+    adv = GroupAdvantage(scale="batch", eps=0.0)(rewards, 4)
+    assert adv.tolist() == pytest.approx([0, 0, 0, 0] + [k * 0.5 / math.sqrt(0.24) for k in (1, -1, -1, 1)])
+
+
+@pytest.mark.parametrize("scored_rows", [[], [2]], ids=["none scored", "one scored"])
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_a_batch_with_no_scored_completion_or_one_gets_zeros(name, scored_rows):
+    components, weights, token_counts = scored_batch(seed=1)
+    unscorable = torch.ones(len(components), dtype=torch.bool)
+    unscorable[scored_rows] = False
+    components[unscorable] = torch.nan
+    assert (rollout_advantages(ESTIMATORS[name], components, weights, token_counts, GROUP_SIZE) == 0).all()
+
+
+def test_a_user_s_estimator_gets_unscorable_rewards_as_nan():
+    def centred(rewards, group_size):  # r - the group's mean, leaving NaN out
+        groups = rewards.reshape(-1, group_size)
+        return (groups - groups.nanmean(-1, keepdim=True)).flatten()
+
+    def centred_with_nan(rewards, group_size):  # the same with mean(): NaN for the whole group
+        groups = rewards.reshape(-1, group_size)
+        return (groups - groups.mean(-1, keepdim=True)).flatten()
+
+    rewards, scored = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([True, True, True, False])
+    assert scored_advantages(centred, rewards, scored, 4).tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0])
+    with pytest.raises(FloatingPointError, match=r"the advantage estimator centred_with_nan gave a non-finite "
+                                                 r"advantage to 3 scored completion\(s\) of 4\. .* as NaN"):
+        scored_advantages(centred_with_nan, rewards, scored, 4)
+    assert scored_advantages(centred_with_nan, rewards, torch.ones(4, dtype=torch.bool), 4).tolist() == [
+        0.75, -0.25, -0.25, -0.25]  # nothing unscorable: nothing changes
+
+
 # --- refusals ----------------------------------------------------------------------------------------------------
 
 
@@ -329,3 +452,19 @@ def test_each_reward_function_s_rewards_reach_the_estimator_with_their_completio
     first = module.history[0]
     assert token_counts.sum().item() == pytest.approx(first["completion/len_mean"] * 16)
     assert 0 < first["grad_norm"] < math.inf
+
+
+def test_an_unscorable_completion_reaches_the_estimator_as_nan(compose, rl_overrides):
+    """A reward that scores only the completions of an even number of tokens: the others reach the estimator as
+    NaN, and the step trains."""
+    cfg = compose(rl_overrides + ["advantage=rloo", "train.steps=1",
+                                  "reward.functions=[{_target_:tests.rewards.user_rewards.even_length}]"])
+    run, module, _ = build(cfg)
+    module.advantage = Recording(module.advantage)
+    run.trainer.fit(module)
+    (rewards, inputs), = module.advantage.calls
+    lengths = inputs["token_counts"]
+    assert 0 < (lengths % 2).sum() < len(lengths)  # both kinds in the batch
+    assert torch.equal(rewards.isnan(), lengths % 2 == 1)
+    assert torch.equal(rewards[~rewards.isnan()], lengths[lengths % 2 == 0].float())
+    assert 0 < module.history[0]["grad_norm"] < math.inf

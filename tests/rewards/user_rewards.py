@@ -14,6 +14,11 @@ def short(completions, max_chars=3, **kwargs):
     return [0.5 if len(c) <= max_chars else None for c in completions]
 
 
+def even_length(completions, completion_ids, **kwargs):
+    """Scores a completion of an even number of tokens by that number, and no other (None): those are unscorable."""
+    return [float(len(ids)) if len(ids) % 2 == 0 else None for ids in completion_ids]
+
+
 def flaky(prompts, completions, **kwargs):
     """Raises on completions containing '7'."""
     if any("7" in c for c in completions):

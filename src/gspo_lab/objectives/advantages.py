@@ -10,10 +10,16 @@ its prompt (its group of `group_size`, groups contiguous in the rollout batch).
 - `gdpo` (GDPO): each reward function's rewards normalised within the group, then summed with the functions'
   weights, then whitened over the batch (arXiv 2601.05242).
 
-An estimator is called `estimator(rewards, group_size, **inputs)`: rewards [N] are the weighted totals, and
-`inputs` holds the further tensors its class attribute `inputs` names, which the rollout passes
-(gspo_lab.rollout.collection): `components` [N, F] (each reward function's rewards, NaN where it did not apply),
+An estimator is called `estimator(rewards, group_size, **inputs)`: rewards [N] are the weighted totals, NaN for
+a completion that no reward function scored (each returned None: unscorable), and `inputs` holds the further
+tensors its class attribute `inputs` names, which the rollout passes (`scored_advantages`, from
+gspo_lab.rollout.collection): `components` [N, F] (each reward function's rewards, NaN where it did not apply),
 `weights` [F] (the functions' weights) and `token_counts` [N] (each completion's tokens in the loss).
+
+An unscorable completion takes no part in any mean, std, leave-one-out sum or token count, and its advantage is 0,
+as in TRL (`rewards[unscorable_mask] = torch.nan`, then nanmean, nanstd, and nan_to_num(0) of the advantages). A
+group left with one scored completion is a group whose rewards are all equal: its advantage is 0, and it counts in
+the batch's statistics as such a group does.
 
 The formulas follow the peers' code (volcengine/verl `verl/trainer/ppo/core_algos.py` at b178a3cd, 0.8.0.dev;
 huggingface/trl `trl/trainer/grpo_trainer.py` at f2cd5771, 1.10.0.dev), each test writing the peer's code out
@@ -23,6 +29,8 @@ huggingface/trl `trl/trainer/grpo_trainer.py` at f2cd5771, 1.10.0.dev), each tes
   batch; verl takes the whole step's batch on its driver and TRL gathers every process's rewards first. With one
   rank they agree. Group statistics agree always: ranks hold whole groups.
 - A group of one is refused (rollout.group_size >= 2 already); verl gives it its raw reward (RLOO, REINFORCE++).
+- Unscorable completions: verl has none (a verl reward is a number); TRL's GRPO leaves them out of the statistics
+  of `group` and `gdpo`, and here every estimator does the same.
 - REINFORCE++-baseline: verl's `masked_whiten` over the response tokens (mean and Bessel-corrected variance of the
   token-level advantages, each completion weighted by its token count), which is the paper's normalisation over
   the batch of the token-level A_{q,o_t}. Where fewer than two tokens are in the loss (every completion masked by
@@ -49,12 +57,36 @@ SCALES = ("group", "batch", "none")
 
 
 class AdvantageEstimator:
-    """The interface: rewards [N] (groups of `group_size` contiguous) and the `inputs` named -> advantages [N]."""
+    """The interface: rewards [N] (groups of `group_size` contiguous) and the `inputs` named -> advantages [N].
+
+    A user's estimator is any callable with this signature (and an `inputs` attribute if it needs more). The
+    reward of a completion that no reward function scored arrives as NaN: leave it out of every statistic
+    (torch.nanmean, `nanstd`); whatever the estimator returns for that row, the rollout sets it to 0. A scored
+    row's advantage must be finite, else the step stops naming the estimator (`scored_advantages`).
+    """
 
     inputs: ClassVar[tuple[str, ...]] = ()  # the keywords the rollout passes: components, weights, token_counts
 
     def __call__(self, rewards: Tensor, group_size: int, **inputs: Tensor) -> Tensor:
         raise NotImplementedError
+
+
+def scored_advantages(estimator, rewards: Tensor, scored: Tensor, group_size: int, **inputs: Tensor) -> Tensor:
+    """The advantages [N] of rewards [N] from `estimator`, a row not `scored` ([N] bool: no reward function scored
+    it) passed as NaN and given 0; a scored row's advantage that is not finite stops the step, naming the estimator.
+
+    >>> scored_advantages(RLOO(), torch.tensor([1.0, 0.0, 0.0, 5.0]), torch.tensor([True, True, True, False]), 4)
+    tensor([ 1.0000, -0.5000, -0.5000,  0.0000])
+    """
+    advantages = torch.where(scored, estimator(torch.where(scored, rewards, torch.nan), group_size, **inputs), 0.0)
+    if not advantages.isfinite().all():
+        name = getattr(estimator, "__name__", type(estimator).__name__)
+        raise FloatingPointError(
+            f"the advantage estimator {name} gave a non-finite advantage to {int((~advantages.isfinite()).sum())} "
+            f"scored completion(s) of {len(rewards)}. The reward of a completion that no reward function scored "
+            "reaches an estimator as NaN: leave it out of every mean and std (torch.nanmean, "
+            "gspo_lab.objectives.advantages.nanstd)")
+    return advantages
 
 
 def check_eps(name: str, eps: float, positive: bool = False) -> None:
@@ -72,13 +104,22 @@ def groups_of_two_or_more(rewards: Tensor, group_size: int, name: str) -> Tensor
     return as_groups(rewards, group_size)
 
 
-def nanstd(values: Tensor, dim: int | None = None) -> Tensor:
-    """The Bessel-corrected std of the values that are not NaN (TRL's `nanstd`): NaN where fewer than two are."""
+def nanstd(values: Tensor, dim: int | None = None, unbiased: bool = True) -> Tensor:
+    """The Bessel-corrected std of the values that are not NaN (TRL's `nanstd`): NaN where fewer than two are.
+    `unbiased=False`: the population std (divisor n), NaN where none is (0 for one value)."""
     mean = values.nanmean() if dim is None else values.nanmean(dim, keepdim=True)
     squares = (values - mean) ** 2
     count = (~values.isnan()).sum() if dim is None else (~values.isnan()).sum(dim, keepdim=True)
     total = squares.nansum() if dim is None else squares.nansum(dim, keepdim=True)
-    return torch.where(count > 1, total / (count - 1), torch.nan).sqrt()
+    return torch.where(count > int(unbiased), total / (count - int(unbiased)), torch.nan).sqrt()
+
+
+def scored_std(values: Tensor, dim: int | None = None, unbiased: bool = True) -> Tensor:
+    """The std of the values that are not NaN: torch.std's where none is (so that a batch without unscorable rows
+    gets the advantages it always got, to the bit), `nanstd`'s where some are."""
+    whole = values.std(unbiased=unbiased) if dim is None else values.std(dim, unbiased=unbiased, keepdim=True)
+    some_nan = values.isnan().any() if dim is None else values.isnan().any(dim, keepdim=True)
+    return torch.where(some_nan, nanstd(values, dim, unbiased), whole)
 
 
 @dataclass(frozen=True)
@@ -104,35 +145,39 @@ class GroupAdvantage(AdvantageEstimator):
         check_eps("group", self.eps)
 
     def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
-        groups = as_groups(rewards, group_size)  # [G, group_size]
-        centred = groups - groups.mean(-1, keepdim=True)
+        groups = as_groups(rewards, group_size)  # [G, group_size], NaN: unscorable
+        centred = groups - groups.nanmean(-1, keepdim=True)
         if self.scale == "group":
-            centred = centred / (groups.std(-1, unbiased=False, keepdim=True) + self.eps)
+            centred = centred / (scored_std(groups, -1, unbiased=False) + self.eps)
         elif self.scale == "batch":
-            centred = centred / (rewards.std(unbiased=False) + self.eps)
-        return centred.reshape(rewards.shape)
+            centred = centred / (scored_std(rewards, unbiased=False) + self.eps)
+        return torch.where(rewards.isnan(), 0.0, centred.reshape(rewards.shape))
 
 
 @dataclass(frozen=True)
 class RLOO(AdvantageEstimator):
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740 eq. 5; verl
-    `compute_rloo_outcome_advantage`): A_i = r_i - (1/(n-1)) Σ_{j≠i} r_j = n/(n-1) (r_i - mean_g), undivided.
+    `compute_rloo_outcome_advantage`): A_i = r_i - (1/(n-1)) Σ_{j≠i} r_j = n/(n-1) (r_i - mean_g), undivided; n
+    counts the group's scored completions (a lone one: 0).
 
     >>> RLOO()(torch.tensor([1.0, 0.0, 0.0, 3.0, 3.0, 3.0]), group_size=3).tolist()  # 1 - 0; 0 - 1/2; equal: 0
     [1.0, -0.5, -0.5, 0.0, 0.0, 0.0]
     """
 
     def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
-        groups = groups_of_two_or_more(rewards, group_size, "rloo")  # [G, n]
-        others = (groups.sum(-1, keepdim=True) - groups) / (group_size - 1)  # [G, n] mean of the other n - 1
-        return (groups - others).reshape(rewards.shape)
+        groups = groups_of_two_or_more(rewards, group_size, "rloo")  # [G, group_size], NaN: unscorable
+        count = (~groups.isnan()).sum(-1, keepdim=True)  # [G, 1] n, the scored completions
+        others = (groups.nansum(-1, keepdim=True) - groups) / (count - 1)  # [G, group_size] mean of the other n - 1
+        advantages = torch.where(count > 1, groups - others, 0.0).reshape(rewards.shape)
+        return torch.where(rewards.isnan(), 0.0, advantages)
 
 
 @dataclass(frozen=True)
 class ReinforcePlusPlusBaseline(AdvantageEstimator):
     """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262; verl `reinforce_plus_plus_baseline`): the group's
     mean reward as baseline, a_i = r_i - mean_g, then the token-level advantages whitened over the batch, each
-    completion counted once per token in the loss (L_i = token_counts[i]; one with none gets 0, as in verl):
+    completion counted once per token in the loss (L_i = token_counts[i]; one with none gets 0, as in verl; an
+    unscorable one counts none):
 
         μ = Σ L_i a_i / Σ L_i,   σ² = Σ L_i (a_i - μ)² / (Σ L_i - 1),   A_i = (a_i - μ) / sqrt(σ² + eps)
 
@@ -148,9 +193,10 @@ class ReinforcePlusPlusBaseline(AdvantageEstimator):
         check_eps("reinforce_plus_plus_baseline", self.eps, positive=True)
 
     def __call__(self, rewards: Tensor, group_size: int, *, token_counts: Tensor) -> Tensor:
-        groups = groups_of_two_or_more(rewards, group_size, "reinforce_plus_plus_baseline")  # [G, n]
-        centred = (groups - groups.mean(-1, keepdim=True)).reshape(rewards.shape)  # [N] a_i
-        weight = token_counts.to(centred.dtype)  # [N] L_i
+        groups = groups_of_two_or_more(rewards, group_size, "reinforce_plus_plus_baseline")  # [G, n], NaN: unscorable
+        centred = (groups - groups.nanmean(-1, keepdim=True)).reshape(rewards.shape)  # [N] a_i
+        weight = torch.where(rewards.isnan(), 0.0, token_counts.to(centred.dtype))  # [N] L_i
+        centred = centred.nan_to_num(0.0)  # weighted 0 from here on: NaN · 0 would be NaN
         tokens = weight.sum()
         if tokens < 2:  # no token trains (or one): nothing to whiten
             return torch.zeros_like(centred)
@@ -163,7 +209,7 @@ class ReinforcePlusPlusBaseline(AdvantageEstimator):
 class PassAtK(AdvantageEstimator):
     """The pass@k advantage for k = group_size (Tang et al. 2025, arXiv 2503.19595; verl `grpo_passk`): the group's
     best completion gets what it adds over the best of the rest, r_max - r_second (= max(r) - max(r without i));
-    every other completion gets 0. A tie for the best gives the whole group 0.
+    every other completion gets 0. A tie for the best, or fewer than two scored completions, gives the group 0.
 
     Args:
         scale: "group" divides the gap by the group's Bessel-corrected std + eps (verl's default,
@@ -183,11 +229,12 @@ class PassAtK(AdvantageEstimator):
         check_eps("passk", self.eps, positive=True)
 
     def __call__(self, rewards: Tensor, group_size: int) -> Tensor:
-        groups = groups_of_two_or_more(rewards, group_size, "passk")  # [G, n]
-        top = groups.topk(2, dim=-1)  # values, indices [G, 2]
+        groups = groups_of_two_or_more(rewards, group_size, "passk")  # [G, n], NaN: unscorable
+        top = groups.nan_to_num(-torch.inf).topk(2, dim=-1)  # values, indices [G, 2]; an unscorable row is never best
         gap = top.values[:, :1] - top.values[:, 1:]  # [G, 1] r_max - r_second
         if self.scale == "group":
-            gap = gap / (groups.std(-1, keepdim=True) + self.eps)  # Bessel-corrected, as torch.std in verl
+            gap = gap / (scored_std(groups, -1) + self.eps)  # Bessel-corrected, as torch.std in verl
+        gap = torch.where((~groups.isnan()).sum(-1, keepdim=True) > 1, gap, 0.0)  # no second: no gap
         return torch.zeros_like(groups).scatter(-1, top.indices[:, :1], gap).reshape(rewards.shape)
 
 
@@ -201,8 +248,8 @@ class GDPO(AdvantageEstimator):
         A_i = (s_i - mean(s)) / (std(s) + eps)
 
     The stds are Bessel-corrected; NaN (a function that did not apply) is left out of each mean, std and sum, and
-    a completion no function applied to takes no part in the batch's statistics and gets 0. The total reward
-    `rewards` is not used: weighting before normalising would cancel every weight's size.
+    a completion no function applied to (unscorable, NaN in `rewards`) takes no part in the batch's statistics and
+    gets 0. The total reward `rewards` is not used: weighting before normalising would cancel every weight's size.
 
     >>> two = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])  # one group: two functions
     >>> adv = GDPO(eps=0.0)(two.sum(-1), 4, components=two, weights=torch.ones(2))

@@ -8,9 +8,9 @@ including its stop token, and every other column of the data (the reference `ans
 a keyword with one entry per completion. A function must take `**kwargs`; `None` means "does not apply".
 
 The total reward of a completion is Σ_f w_f r_f over the functions that applied (TRL's nansum); a completion
-where none applied scores 0 and gets advantage 0 (`Scores.applies`). A function that raises or times out
-scores 0 for that completion and is counted; one that breaks the contract (a list of the wrong length, a
-non-number, NaN or ±inf) stops the run with its name.
+where none applied scores 0, gets advantage 0 and is left out of the advantages' statistics (`Scores.applies`). A
+function that raises or times out scores 0 for that completion and is counted; one that breaks the contract (a
+list of the wrong length, a non-number, NaN or ±inf) stops the run with its name.
 
 >>> def short(completions, **kwargs): return [1.0 if len(c) < 3 else None for c in completions]
 >>> rewards = WeightedRewards([RewardFunction(short, weight=2.0)])

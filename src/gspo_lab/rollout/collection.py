@@ -12,6 +12,7 @@ from contextlib import nullcontext
 import torch
 
 from gspo_lab.objectives import micro_batches
+from gspo_lab.objectives.advantages import scored_advantages
 from gspo_lab.rewards import Scores
 from gspo_lab.rollout.batch import RolloutBatch
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
@@ -50,8 +51,9 @@ class RolloutCollection:
         available = {"components": lambda: sampled.components, "weights": lambda: self.rewards.weights,
                      "token_counts": lambda: loss_mask.sum(-1).to(rewards.device)}
         inputs = {name: available[name]() for name in getattr(self.advantage, "inputs", ())}
-        # a completion no reward function applied to (all None) takes no part in the update
-        advantages = torch.where(sampled.applies, self.advantage(rewards, cfg.group_size, **inputs), 0.0)
+        # a completion no reward function applied to (all None) reaches the estimator as NaN: it takes no part in the
+        # other completions' baselines and statistics, nor in the update (advantage 0)
+        advantages = scored_advantages(self.advantage, rewards, sampled.applies, cfg.group_size, **inputs)
         input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)
         batch = RolloutBatch(
             input_ids=input_ids,
