@@ -22,7 +22,7 @@ import tempfile
 from hydra import compose, initialize_config_dir
 
 from gspo_lab import CONFIG_DIR
-from gspo_lab.rollout import vllm_engine
+from gspo_lab.rollout import vllm_setup
 from gspo_lab.train import build
 
 DOSES = {
@@ -47,8 +47,8 @@ def main() -> None:
     args = parser.parse_args()
     for name in args.doses:
         dose = DOSES[name]
-        if "rollout.backend=vllm" in dose and not vllm_engine.available():
-            print(f"{name:24s} skipped: {vllm_engine.INSTALL}", flush=True)
+        if "rollout.backend=vllm" in dose and not vllm_setup.available():
+            print(f"{name:24s} skipped: {vllm_setup.INSTALL}", flush=True)
             continue
         with tempfile.TemporaryDirectory() as out, initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             cfg = compose("train", overrides=[f"train.steps={args.steps}", "train.eval_every=0", f"paths.output_dir={out}",

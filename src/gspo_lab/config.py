@@ -76,7 +76,7 @@ class VLLMConfig:
         max_model_len: the longest prompt + completion it serves; null: the model's max_position_embeddings.
         gpu_memory_utilization: the share of the GPU vLLM may take (weights, activations, KV cache), beside the
             trainer colocated on it (TRL's colocate default is 0.3); not used on CPU.
-        cpu_kv_cache_gb: GiB of KV cache on CPU (VLLM_CPU_KVCACHE_SPACE, unless already set).
+        cpu_kv_cache_gb: GiB of KV cache on CPU, each engine its own (a VLLM_CPU_KVCACHE_SPACE of the user's wins).
         enforce_eager: no CUDA graphs (they take seconds to capture and memory to hold; a GPU run gains speed
             from false).
         enable_prefix_caching: a group's prompt is prefilled once and its keys and values reused.
@@ -212,9 +212,10 @@ class TrainConfig:
             maths to float rounding, less work; under routing replay only where a prompt's rows recorded the same
             experts; not under FSDP or activation checkpointing.
         max_consecutive_skips: stop the run after this many updates in a row skipped for NaN/Inf.
-        lm_head_fp32: the policy's LM head computes in float32 outside autocast wherever it runs (generation,
-            log-probs, reference, evaluation; gspo_lab.models.lm_head), TRL's cast_lm_head_to_fp32; it matters
-            under trainer.precision=bf16-mixed, where autocast would run the head in bfloat16.
+        lm_head_fp32: the policy's LM head computes in float32 outside autocast wherever the trainer's model
+            runs (generation on the hf backend, log-probs, reference, evaluation; gspo_lab.models.lm_head), TRL's
+            cast_lm_head_to_fp32; it matters under trainer.precision=bf16-mixed, where autocast would run the head
+            in bfloat16. A vLLM engine computes its head in rollout.vllm.dtype (a warning says so).
         on_reward_error: "zero" scores a completion whose reward function raised 0 (reported and counted
             in reward/errors); "raise" stops the run.
     """

@@ -36,7 +36,7 @@ from gspo_lab.evaluation import write_jsonl
 from gspo_lab.export import policy_of_checkpoint
 from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import load_pretrained
-from gspo_lab.rollout import vllm_engine
+from gspo_lab.rollout import vllm_setup
 from gspo_lab.rollout.engine import build_engine
 
 log = logging.getLogger(__name__)
@@ -128,8 +128,8 @@ def rollout_engine(cfg: DictConfig, model):
         rollout = instantiate(cfg.rollout)
     except Exception as error:  # noqa: BLE001 - Hydra wraps the dataclass's ValueError
         raise EvalError(str(error.__cause__ or error)) from None
-    if rollout.backend == "vllm" and not vllm_engine.available():
-        raise EvalError(f"{vllm_engine.INSTALL}; or evaluate with transformers: rollout.backend=hf")
+    if rollout.backend == "vllm" and not vllm_setup.available():
+        raise EvalError(f"{vllm_setup.INSTALL}; or evaluate with transformers: rollout.backend=hf")
     return build_engine(model, rollout)
 
 

@@ -43,7 +43,7 @@ from gspo_lab.objectives.micro_batches import check_splittable
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
 from gspo_lab.rewards import build_rewards, math_accuracy, unwrapped
-from gspo_lab.rollout import vllm_engine
+from gspo_lab.rollout import vllm_setup
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.sharding import full_state_dict, is_sharded
 from gspo_lab.tasks import HFDataset
@@ -112,6 +112,10 @@ def plan(cfg: DictConfig) -> Plan:
         if parts["train"].micro_batch_size is not None:
             check_splittable(parts["objective"])
         check_model(model_source, parts["routing"], parts["rollout"], trainer)
+        if parts["rollout"].backend == "vllm":
+            vllm_setup.check_temperature("eval.temperature", parts["evaluation"].settings.temperature)
+            vllm_setup.warn_head_precision(parts["rollout"], parts["train"].lm_head_fp32,
+                                            getattr(model_source, "dtype", "float32"))
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error
     except (ValueError, FileNotFoundError) as error:
@@ -201,13 +205,14 @@ def check_model(model_source, routing, rollout, trainer: L.Trainer) -> None:
     """What the model and the strategy must support, checked on the architecture alone (`skeleton()`, on the
     meta device) before the cold start or any weights: routing replay needs an MoE with a routing adapter,
     trainer=fsdp (sharded weights) takes neither LoRA nor an engine copy of the weights, and rollout.backend=vllm
-    what vLLM serves here (`vllm_engine.check`)."""
+    what vLLM serves here (`vllm_setup.check`)."""
     if routing.replay != "off":
         find_routers(model_source.skeleton(), f"routing.replay={routing.replay}")  # raises for dense / unsupported
     if rollout.backend == "vllm":
         device = "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
-        vllm_engine.check(rollout, model_source.skeleton(), routing.replay, device,
-                          isinstance(trainer.strategy, ModelParallelStrategy), model_source.lora.enabled)
+        vllm_setup.check(rollout, model_source.skeleton(), routing.replay, device,
+                          isinstance(trainer.strategy, ModelParallelStrategy), model_source.lora.enabled,
+                          trainer.num_nodes)
     if isinstance(trainer.strategy, ModelParallelStrategy):
         if model_source.lora.enabled:
             raise ValueError("model.lora.enabled=true is not supported with trainer=fsdp (untested); use "

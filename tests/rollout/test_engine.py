@@ -16,7 +16,7 @@ from gspo_lab.config import EngineConfig, RolloutConfig, VLLMConfig
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import generate, token_logprobs
 from gspo_lab.rollout.collection import engine_mismatch
-from gspo_lab.rollout import vllm_engine
+from gspo_lab.rollout import vllm_setup
 from gspo_lab.rollout.engine import RolloutEngine
 from gspo_lab.routing import is_moe, record_routing, replay_routing
 from gspo_lab.train import ConfigError, build, plan
@@ -240,7 +240,7 @@ def test_the_backend_setting_and_its_old_logprobs_default():
         VLLMConfig(gpu_memory_utilization=1.5)
 
 
-@pytest.mark.skipif(vllm_engine.available(), reason="vLLM is installed here (make test-vllm tests the backend)")
+@pytest.mark.skipif(vllm_setup.available(), reason="vLLM is installed here (make test-vllm tests the backend)")
 def test_the_vllm_backend_without_vllm_names_the_extra_to_install(compose, tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.backend=vllm needs vLLM: pip install -e '.\[vllm\]' on a GPU node"):
         plan(compose(["rollout.backend=vllm", f"paths.output_dir={tmp_path}"]))

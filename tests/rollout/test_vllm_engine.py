@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from gspo_lab.rollout import token_logprobs
 from gspo_lab.rollout.generation import draw_row_seeds
 from gspo_lab.rollout.vllm_engine import NarrowingLoadFilter, VLLMEngine, _reload, checkpoint_weights
+from gspo_lab.rollout.vllm_setup import BUFFERS_SYNCED, persistent_buffer_names
 from gspo_lab.train import ConfigError, build, plan
 
 pytest.importorskip("vllm")
@@ -33,6 +34,8 @@ TINY = {"tiny_dense": ["model.config.num_hidden_layers=1", "model.config.hidden_
                        "model.config.intermediate_size=128"],
         "tiny_moe": ["model.config.num_hidden_layers=1", "model.config.hidden_size=64",
                      "model.config.moe_intermediate_size=32"]}
+# the families of the architectures whose persistent buffers a sync is shown to reach (vllm_setup.BUFFERS_SYNCED)
+BUFFERS_SYNCED_FAMILIES = {"tiny_glm4_moe": "Glm4MoeForCausalLM", "tiny_exaone_moe": "ExaoneMoeForCausalLM"}
 
 
 def engine_gap(module, seeds: torch.Tensor) -> float:
@@ -232,3 +235,109 @@ def test_a_bfloat16_engine_syncs_without_a_warning_per_parameter(compose, tiny, 
         loads.removeHandler(capture)
     assert not [m for m in quiet if "Attempted to load weight" in m]
     assert len([r for r in records if "Attempted to load weight" in r.getMessage()]) >= 5  # one per parameter
+
+
+@pytest.mark.parametrize("model", sorted(BUFFERS_SYNCED_FAMILIES))
+def test_a_routers_selection_bias_reaches_the_engine_at_every_sync(model, compose, tiny, tmp_path):
+    """transformers keeps a DeepSeek-style router's e_score_correction_bias as a persistent buffer, and a sync of
+    parameters only left vLLM's engine routing with its dummy values (float32: mismatch/kl 3.5e-6 on tiny_glm4_moe
+    against 3.6e-14 on tiny_moe). After the bias itself changes, the engine is stale until the next sync, and then
+    its log-probs are the trainer's again."""
+    overrides = [o for o in tiny if not o.startswith("model.")] + [f"model={model}", "model.config.head_dim=32",
+                                                                    "model.config.num_hidden_layers=2"]
+    _, module, _ = build(compose(overrides + VLLM + ["sft.enabled=false", f"paths.output_dir={tmp_path}"]))
+    buffers = persistent_buffer_names(module.model)
+    seeds = torch.tensor([1, 2, 3, 4])
+    assert buffers and all(name.endswith("e_score_correction_bias") for name in buffers)
+    assert type(module.model).__name__ == BUFFERS_SYNCED_FAMILIES[model]
+    assert set(BUFFERS_SYNCED_FAMILIES.values()) == BUFFERS_SYNCED  # every architecture served has its test
+    try:
+        module.engine.sync()
+        assert engine_gap(module, seeds) <= ROUNDING
+        with torch.no_grad():  # a bias of the logits' size moves the top-k of most tokens
+            for name in buffers:
+                module.model.get_buffer(name).normal_(0, 4)
+        assert engine_gap(module, seeds) > 100 * ROUNDING
+        module.engine.sync()
+        assert engine_gap(module, seeds) <= ROUNDING
+    finally:
+        module.close()
+
+
+@pytest.mark.parametrize("model", ["tiny_minimax_m2", "tiny_deepseek_v3"])
+def test_a_family_whose_buffers_no_test_has_synced_is_refused(model, compose, tmp_path):
+    with pytest.raises(ConfigError, match=r"keeps model\.layers\.0\.mlp\.(gate\.)?e_score_correction_bias as a "
+                                          r"persistent buffer, and no test has shown"):
+        plan(compose(VLLM + [f"model={model}", "model.config.head_dim=32", f"paths.output_dir={tmp_path}"]))
+
+
+def test_the_engine_runs_with_autocast_off_whatever_the_trainers_precision(compose, tiny, tmp_path):
+    """trainer.precision=bf16-mixed wraps the RL step in torch.autocast(bfloat16): vLLM's start, sync, sampling and
+    evaluation run inside it, and a float32 engine would multiply in bfloat16. Every forward of vLLM's model sees
+    autocast off, and the engine's log-probs are the float32 trainer's to rounding (bfloat16 would miss by 1e-3)."""
+    _, module, _ = build(compose(tiny + VLLM + ["sft.enabled=false", "trainer.precision=bf16-mixed",
+                                                f"paths.output_dir={tmp_path}"]))
+    seen = []
+
+    def record(worker) -> None:
+        worker.model_runner.model.register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            module.engine.sync()  # starts the engine
+            module.engine.llm.collective_rpc(record)
+            module.engine.sync()
+            completions = module.engine.eval_sampler()(module.tokenizer, PROMPTS, 4, greedy=True)
+        assert completions.completion_mask.sum() > 0
+        assert engine_gap(module, torch.tensor([1, 2, 3, 4])) <= ROUNDING
+    finally:
+        module.close()
+    assert len(seen) >= 2 and not any(seen)
+
+
+def test_a_failed_prefix_cache_reset_stops_the_sync(compose, tiny, tmp_path):
+    """A reset that fails leaves the old weights' keys and values in the prefix cache for the next rollout."""
+    _, module, _ = build(compose(tiny + VLLM + ["sft.enabled=false", f"paths.output_dir={tmp_path}"]))
+    try:
+        module.engine.sync()
+        module.engine.llm.reset_prefix_cache = lambda: False
+        with pytest.raises(RuntimeError, match="did not reset its prefix cache after a weight sync"):
+            module.engine.sync()
+    finally:
+        module.close()
+
+
+def test_each_engine_of_a_multirun_gets_its_own_kv_cache(compose, tiny, tmp_path, monkeypatch):
+    """rollout.vllm.cpu_kv_cache_gb went to VLLM_CPU_KVCACHE_SPACE with setdefault, so a multirun's later jobs kept
+    the first job's size. Two engines in one process, 1 then 2 GiB: each gets its own."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    sizes = []
+    for gb in (1, 2):
+        _, module, _ = build(compose(tiny + VLLM + ["sft.enabled=false", f"rollout.vllm.cpu_kv_cache_gb={gb}",
+                                                    f"paths.output_dir={tmp_path / str(gb)}"]))
+        try:
+            module.engine.sync()
+            sizes.append(module.engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes)
+        finally:
+            module.close()
+    assert sizes == [2**30, 2 * 2**30]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.temperature=0.005"], r"rollout.temperature=0.005 with rollout.backend=vllm: vLLM samples at a "
+                                    r"temperature of at least 0.01"),
+    (["eval.temperature=0.001", "eval.n=2"], r"eval.temperature=0.001 with rollout.backend=vllm"),
+    (["+trainer.num_nodes=2"], r"trainer.num_nodes=2 with rollout.backend=vllm on CPU"),
+])
+def test_what_vllm_would_change_silently_is_refused(overrides, message, compose, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        plan(compose(VLLM + overrides + [f"paths.output_dir={tmp_path}"]))
+
+
+@pytest.mark.parametrize("overrides, warned", [(["train.lm_head_fp32=true", "rollout.vllm.dtype=bfloat16"], True),
+                                               (["train.lm_head_fp32=true"], False),  # a float32 engine
+                                               (["rollout.vllm.dtype=bfloat16"], False)])
+def test_a_float32_head_the_engine_does_not_have_is_told(overrides, warned, compose, tmp_path, caplog):
+    plan(compose(VLLM + overrides + [f"paths.output_dir={tmp_path}"]))
+    assert ("computes its own in rollout.vllm.dtype=bfloat16" in caplog.text) is warned

