@@ -44,7 +44,8 @@ def test_cache_key_covers_model_task_sft_and_seed(base_cfg):
     assert base != cache_key({**model, "arch": "qwen3"}, task, FAST_SFT, 0)
 
 
-@pytest.mark.parametrize("key, value", [("steps", 0), ("lr", -1.0), ("target_accuracy", 1.5), ("eval_every", 0)])
+@pytest.mark.parametrize("key, value", [("steps", 0), ("lr", -1.0), ("target_accuracy", 1.5), ("eval_every", 0),
+                                        ("weight_decay", -0.1)])
 def test_bad_sft_settings_name_key_value_and_rule(key, value):
     with pytest.raises(ValueError, match=rf"sft\.{key}={value}"):
         SFTConfig(**{key: value})

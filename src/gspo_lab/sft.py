@@ -64,6 +64,8 @@ class SFTConfig:
             raise ValueError(f"sft.lr={self.lr!r} must be > 0")
         if not self.warmup_steps >= 0:
             raise ValueError(f"sft.warmup_steps={self.warmup_steps!r} must be >= 0")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"sft.weight_decay={self.weight_decay!r} must be >= 0 (AdamW's decoupled decay)")
         if not 0 < self.target_accuracy <= 1:
             raise ValueError(f"sft.target_accuracy={self.target_accuracy!r} must satisfy 0 < target <= 1")
 

@@ -9,6 +9,7 @@ process and one micro-batch (gradient accumulation 1, so TRL's `normalizer` is 1
 tokens, num_items_in_batch, for "dapo"). Where gspo-lab departs on purpose, the line that differs says so.
 """
 
+import logging
 import math
 from pathlib import Path
 
@@ -264,6 +265,35 @@ def test_bad_adaptive_settings_are_refused_naming_key_value_and_rule():
         GRPO(entropy_target=1.0, entropy_coef=2.0)
     with pytest.raises(ValueError, match=r"need the policy's entropy at each token"):
         GRPO(entropy_coef=0.1)(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("objective.entropy_coef_delta=-0.005", r"objective.entropy_coef_delta=-0.005 must be > 0"),
+    ("objective.entropy_coef_min=-0.1", r"objective.entropy_coef_min=-0.1 must satisfy 0 <= entropy_coef_min <= "
+                                        r"entropy_coef_max = 1.0"),
+    ("objective.entropy_coef_max=-1", r"objective.entropy_coef_max=-1 must be >= 0"),
+])
+@pytest.mark.parametrize("objective", ["gspo", "dapo"])  # a fixed class and one composed in YAML
+def test_negative_adaptive_settings_are_refused_by_the_plan_also_without_a_target(objective, override, message,
+                                                                                  compose, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        plan(compose([f"objective={objective}", override, f"paths.output_dir={tmp_path}"]))
+
+
+def test_a_negative_entropy_coef_is_an_entropy_penalty_and_the_plan_says_so(compose, tmp_path, caplog):
+    """A deliberate choice (entropy minimisation, arXiv 2505.15134), not refused: the run logs what it does."""
+    with caplog.at_level(logging.WARNING, logger="gspo_lab.objectives.entropy"):
+        objective = plan(compose(["objective.entropy_coef=-0.01", f"paths.output_dir={tmp_path}"])).objective
+    assert "GSPO: objective.entropy_coef=-0.01 < 0 is an entropy penalty, not a bonus: the loss adds 0.01 x the mean " \
+           "entropy" in caplog.text
+    # H̄ = 2 on the one valid token: the loss is the policy term + 0.01 x 2
+    logp, mask = torch.zeros(1, 2), torch.tensor([[1.0, 0.0]])
+    out = objective(logp, logp, torch.ones(1), mask, entropy=torch.tensor([[2.0, 5.0]]))
+    assert out.entropy_bonus.item() == pytest.approx(-0.02) and out.loss.item() == pytest.approx(-1 + 0.02)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gspo_lab.objectives.entropy"):
+        plan(compose(["objective.entropy_coef=0.01", f"paths.output_dir={tmp_path}"]))
+    assert "entropy_coef" not in caplog.text
 
 
 def test_top_entropy_masking_with_micro_batches_is_refused_in_the_plan(compose, tmp_path):

@@ -126,8 +126,8 @@ class Objective:
             which for GSPO (importance_sampling_level="sequence") is the sequence ratio, not an importance weight
             of the token whose KL it weights.
         entropy_coef: c of the entropy bonus, loss -= c · H̄ with H̄ the token mean of the policy's entropy over
-            the loss's tokens (TRL's entropy_coef; negative: an entropy penalty); 0: off. With a target, the
-            adaptive coefficient's starting value.
+            the loss's tokens (TRL's entropy_coef); 0: off. Negative: an entropy penalty (entropy minimisation,
+            arXiv 2505.15134), allowed and logged. With a target, the adaptive coefficient's starting value (>= 0).
         entropy_target: the mean entropy in nats that Skywork-OR1's adaptive coefficient steers toward (TRL's
             entropy_target with use_adaptive_entropy); None: the coefficient stays entropy_coef.
         entropy_coef_delta, entropy_coef_min, entropy_coef_max: the adaptive coefficient's step and bounds.

@@ -17,15 +17,20 @@ across steps, so the LightningModule holds an `EntropyCoefficient` and gives the
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import Tensor
 
+log = logging.getLogger(__name__)
+
 
 def check_entropy_settings(where: str, entropy_coef: float, entropy_target: float | None, entropy_coef_delta: float,
                            entropy_coef_min: float, entropy_coef_max: float, top_entropy_quantile: float) -> None:
-    """Each setting's rule, else a ValueError naming `where`.key, the value and the rule."""
+    """Each setting's rule, else a ValueError naming `where`.key, the value and the rule (the adaptive
+    coefficient's step and bounds also without a target, where they are not used). A negative fixed entropy_coef
+    is allowed, an entropy penalty, and logged as such."""
     def refuse(key: str, value, rule: str) -> None:
         raise ValueError(f"{where}.{key}={value!r} {rule}")
 
@@ -33,15 +38,21 @@ def check_entropy_settings(where: str, entropy_coef: float, entropy_target: floa
         refuse("entropy_coef", entropy_coef, "must be finite (0: no entropy bonus)")
     if not 0 <= top_entropy_quantile <= 1:
         refuse("top_entropy_quantile", top_entropy_quantile, "must be in [0, 1] (1: every token, the paper's 0.2)")
-    if entropy_target is None:
-        return
-    if not entropy_target > 0:
-        refuse("entropy_target", entropy_target, "must be > 0 nats, or null for a fixed entropy_coef")
     if not entropy_coef_delta > 0:
         refuse("entropy_coef_delta", entropy_coef_delta, "must be > 0")
+    if not entropy_coef_max >= 0:
+        refuse("entropy_coef_max", entropy_coef_max, "must be >= 0")
     if not 0 <= entropy_coef_min <= entropy_coef_max:
         refuse("entropy_coef_min", entropy_coef_min, f"must satisfy 0 <= entropy_coef_min <= entropy_coef_max "
                                                      f"= {entropy_coef_max!r}")
+    if entropy_target is None:
+        if entropy_coef < 0:
+            log.warning("%s.entropy_coef=%r < 0 is an entropy penalty, not a bonus: the loss adds %r x the mean "
+                        "entropy, which drives the policy's entropy down (entropy minimisation, arXiv 2505.15134's "
+                        "EM-FT term); a bonus is > 0", where, entropy_coef, -entropy_coef)
+        return
+    if not entropy_target > 0:
+        refuse("entropy_target", entropy_target, "must be > 0 nats, or null for a fixed entropy_coef")
     if not entropy_coef_min <= entropy_coef <= entropy_coef_max:
         refuse("entropy_coef", entropy_coef, f"must be in [entropy_coef_min, entropy_coef_max] = "
                                              f"[{entropy_coef_min!r}, {entropy_coef_max!r}] with an entropy_target")
