@@ -379,7 +379,7 @@ def test_a_user_s_estimator_gets_unscorable_rewards_as_nan():
     rewards, scored = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([True, True, True, False])
     assert scored_advantages(centred, rewards, scored, 4).tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0])
     with pytest.raises(FloatingPointError, match=r"the advantage estimator centred_with_nan gave a non-finite "
-                                                 r"advantage to 3 scored completion\(s\) of 4\. .* as NaN"):
+                                                 r"advantage to 3 of the 3 scored completions\. .* as NaN"):
         scored_advantages(centred_with_nan, rewards, scored, 4)
     assert scored_advantages(centred_with_nan, rewards, torch.ones(4, dtype=torch.bool), 4).tolist() == [
         0.75, -0.25, -0.25, -0.25]  # nothing unscorable: nothing changes

@@ -82,10 +82,10 @@ def scored_advantages(estimator, rewards: Tensor, scored: Tensor, group_size: in
     if not advantages.isfinite().all():
         name = getattr(estimator, "__name__", type(estimator).__name__)
         raise FloatingPointError(
-            f"the advantage estimator {name} gave a non-finite advantage to {int((~advantages.isfinite()).sum())} "
-            f"scored completion(s) of {len(rewards)}. The reward of a completion that no reward function scored "
-            "reaches an estimator as NaN: leave it out of every mean and std (torch.nanmean, "
-            "gspo_lab.objectives.advantages.nanstd)")
+            f"the advantage estimator {name} gave a non-finite advantage to {int((~advantages.isfinite()).sum())} of "
+            f"the {int(scored.sum())} scored completions. It gets the reward of a completion that no reward function "
+            "scored as NaN, to leave out of every mean and std (torch.nanmean, gspo_lab.objectives.advantages.nanstd); "
+            "a division by a std of 0 (an all-equal group) needs advantage.eps > 0")
     return advantages
 
 
