@@ -12,13 +12,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 from safetensors.torch import load_file
 
 from gspo_lab.eval_cli import EvalError, check_tokenizer, evaluate_checkpoint, run_config, run_dir_of
 from gspo_lab.eval_metrics import maj_at_k, pass_at_k
-from gspo_lab.eval_sets import build_eval
+from gspo_lab.eval_sets import build_eval, evaluation_sampler
 from gspo_lab.evaluation import accuracy
 from gspo_lab.grading.checks import Checker
 from gspo_lab.models.builders import load_pretrained
@@ -147,6 +148,7 @@ def test_sampled_evaluation_leaves_training_unchanged(compose, fast_rl, tmp_path
     ("+eval.sets.x.data=gsm8k", "keys among \\['task', 'prompt', 'reward', 'size'\\]"),
     ("+eval.sets.x.task=no_such_task", "eval.sets.x.task='no_such_task' is not an option of conf/task"),
     ("+eval.sets.x.size=0", "eval.sets.x.size=0 is invalid"),
+    ("eval.engine=vllm", "eval.engine='vllm' is invalid: must be rollout \\(the run's backend\\) or trainer"),
 ])
 def test_bad_eval_settings_are_refused_by_the_plan(override, message, compose, tmp_path):
     with pytest.raises(ConfigError, match=message):
@@ -269,6 +271,35 @@ def test_gspo_eval_refuses_bad_overrides_naming_them(override, message, evaluate
     run, _ = evaluated
     with pytest.raises((EvalError, ValueError), match=message):
         evaluate_checkpoint(eval_config(compose, run, tmp_path / "eval", [override]))
+
+
+def test_what_generated_each_evaluation_is_recorded(evaluated, compose, tmp_path):
+    """A float32 hf run evaluates with transformers on the trainer's weights: metrics.csv records it at every
+    evaluation (eval/engine_vllm 0, 23 mantissa bits), summary.json and gspo-eval's eval.json name it."""
+    run, _ = evaluated
+    evaluations = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("eval/accuracy")]
+    assert len(evaluations) == 3
+    assert all((float(r["eval/engine_vllm"]), float(r["eval/engine_mantissa_bits"])) == (0, 23) for r in evaluations)
+    assert json.loads((run / "summary.json").read_text())["eval/engine"] == "transformers float32"
+    assert evaluate_checkpoint(eval_config(compose, run, tmp_path / "eval"))["eval/engine"] == "transformers float32"
+
+
+def test_the_trainers_evaluation_computes_in_the_autocast_dtype(tiny_family):
+    """Under trainer.precision=bf16-mixed the RL step, and the evaluation in it, runs under autocast: recorded as
+    bfloat16, not the weights' float32."""
+    model, _ = tiny_family("tiny_moe")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, record = evaluation_sampler(None, model, "rollout")
+    assert record == {"eval/engine_vllm": 0.0, "eval/engine_mantissa_bits": 7.0}
+
+
+def test_gspo_eval_builds_no_engine_copy_it_would_not_use(evaluated, compose, tmp_path, monkeypatch):
+    """An hf run's evaluation generates on the model itself, so gspo-eval of a run with a quantised bf16 engine
+    no longer deep-copies (and quantises) the model for nothing."""
+    run, _ = evaluated
+    monkeypatch.setattr("gspo_lab.eval_cli.build_engine", lambda *args: pytest.fail("an engine was built"))
+    overrides = ["rollout.engine.precision=bf16", "rollout.engine.weight_bits=8"]
+    assert evaluate_checkpoint(eval_config(compose, run, tmp_path / "eval", overrides))["metrics"]
 
 
 def test_summary_json_keeps_every_sets_last_evaluation(evaluated):

@@ -10,9 +10,11 @@ checkpoint of a run. When it belongs to a run dir, the run's config.yaml is the 
 prompt, seed and generation settings apply, and the command line changes it (`key=value`, or `group=option` for
 a whole group such as task=countdown or eval=sampled); else the config is gspo-train's defaults plus the command
 line. Writes eval.json (metrics, settings, checkpoint, tokenizer) and samples.jsonl (every completion: prompt,
-completion, extracted answer, correct, rewards) to the Hydra run dir. The same checkpoint, seed and
-eval.batch_size give the numbers a single-process training run logged at that step (a DDP run's ranks drew the same
-per-sample seeds, but batched other prompts together, so their logits may differ by float rounding).
+completion, extracted answer, correct, rewards) to the Hydra run dir. A rollout.backend=vllm run evaluates on its
+vLLM engine, as in training; eval.engine=trainer evaluates it with transformers on the same weights, as an hf run
+(eval.json's eval/engine says which). The same checkpoint, seed and eval.batch_size give the numbers a
+single-process training run logged at that step (a DDP run's ranks drew the same per-sample seeds, but batched
+other prompts together, so their logits may differ by float rounding).
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
 from gspo_lab import CONFIG_DIR
-from gspo_lab.eval_sets import build_eval, load_option
+from gspo_lab.eval_sets import build_eval, evaluation_sampler, load_option
 from gspo_lab.evaluation import write_jsonl
 from gspo_lab.export import policy_of_checkpoint
 from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import load_pretrained
+from gspo_lab.report.summary import eval_engine
 from gspo_lab.rollout import vllm_setup
 from gspo_lab.rollout.engine import build_engine
 
@@ -123,7 +126,7 @@ def check_tokenizer(model, tokenizer, checkpoint: str, source: str) -> None:
 
 
 def rollout_engine(cfg: DictConfig, model):
-    """The run's rollout engine (rollout.backend), which evaluation generates with, as in training."""
+    """The run's rollout engine (rollout.backend=vllm), which evaluation generates with, as in training."""
     try:
         rollout = instantiate(cfg.rollout)
     except Exception as error:  # noqa: BLE001 - Hydra wraps the dataclass's ValueError
@@ -157,18 +160,23 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
     except ValueError as error:
         raise EvalError(str(error)) from error
     evaluator = plan.evaluator(tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.get("stop_token_ids") or [], cfg.seed)
-    engine = rollout_engine(cfg, model)
+    # an engine only where it generates: vLLM's; an hf engine (maybe a quantised copy) evaluates on the model itself
+    engine = rollout_engine(cfg, model) if evaluator.settings.engine == "rollout" and cfg.rollout.backend == "vllm" else None
     total = sum(len(s.examples) * (evaluator.settings.greedy + evaluator.settings.n) for s in evaluator.sets)
     try:
+        sampler, generated_by = evaluation_sampler(engine, model, evaluator.settings.engine)
         with tqdm(total=total, unit="completion", disable=not cfg.get("progress", True), file=sys.stderr) as bar:
-            metrics, rows = evaluator.run(model, tokenizer, progress=bar.update, sampler=engine.eval_sampler())
+            metrics, rows = evaluator.run(model, tokenizer, progress=bar.update, sampler=sampler)
     finally:
         plan.close()
-        engine.close()
+        if engine is not None:
+            engine.close()
+    metrics.update(generated_by)
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"checkpoint": str(checkpoint), "tokenizer": source, "seed": cfg.seed,
               "eval": OmegaConf.to_container(cfg.eval, resolve=True), "metrics": metrics,
+              "eval/engine": eval_engine([metrics]),
               "sets": {s.name: len(s.examples) for s in evaluator.sets}}
     (out / "eval.json").write_text(json.dumps(result, indent=2))
     write_jsonl(out / "samples.jsonl", rows)

@@ -14,10 +14,13 @@ is one whole, a mapping without one changes keys of the run's. `size` keeps the 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -26,7 +29,9 @@ from gspo_lab.evaluation import HELDOUT, EvalSet, EvalSettings, Evaluator
 from gspo_lab.grading import GradingPool
 from gspo_lab.models.builders import check_context, fit_task
 from gspo_lab.prompts import PromptFormat
+from gspo_lab.report.summary import eval_engine_columns
 from gspo_lab.rewards import WeightedRewards, build_rewards
+from gspo_lab.rollout.generation import generate
 from gspo_lab.tasks.base import Task
 
 SET_KEYS = ("task", "prompt", "reward", "size")
@@ -155,3 +160,16 @@ def load_option(group: str, name: str, where: str = "eval.sets") -> DictConfig:
     for entry in entries if "_self_" in entries else [*entries, "_self_"]:
         merged = OmegaConf.merge(merged, cfg if entry == "_self_" else load_option(group, entry, where))
     return merged
+
+
+def evaluation_sampler(engine, model: torch.nn.Module, setting: str) -> tuple[Callable, dict[str, float]]:
+    """What an evaluation generates with under eval.engine=`setting`, and its record in metrics.csv
+    (eval_engine_columns). "rollout": an engine that serves evaluations (vLLM's `eval_sampler`, synced now);
+    "trainer", or an hf engine: transformers' `generate` on `model`, never an engine copy, in the dtype the
+    trainer computes in (autocast's where trainer.precision turns it on)."""
+    if setting == "rollout" and hasattr(engine, "eval_sampler"):
+        return engine.eval_sampler(), eval_engine_columns(True, engine.dtype)
+    weight = next(model.parameters())
+    device = weight.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return functools.partial(generate, model), eval_engine_columns(False, str(dtype).removeprefix("torch."))

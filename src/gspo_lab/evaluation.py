@@ -103,6 +103,9 @@ class EvalSettings:
             process.
         grading_timeout_s: the longest one check may take in a worker; beyond it, the completion counts as wrong
             (eval/<set>/grading_failures).
+        engine: what generates: "rollout", the run's backend (vLLM's engine for rollout.backend=vllm; transformers
+            on the trainer's weights for hf, never a simulated engine copy), or "trainer", transformers on the
+            trainer's weights whatever the backend (eval/engine_vllm and eval/engine_mantissa_bits record which).
     """
 
     n: int = 0
@@ -115,6 +118,7 @@ class EvalSettings:
     samples: int = 4
     grading_workers: int = 1
     grading_timeout_s: float = 10.0
+    engine: str = "rollout"
 
     def __post_init__(self) -> None:
         def whole(key: str, value, minimum: int) -> None:
@@ -142,6 +146,8 @@ class EvalSettings:
             raise ValueError(f"eval.temperature={self.temperature!r} is invalid: must be a finite number > 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"eval.top_p={self.top_p!r} is invalid: must satisfy 0 < top_p <= 1")
+        if self.engine not in ("rollout", "trainer"):
+            raise ValueError(f"eval.engine={self.engine!r} is invalid: must be rollout (the run's backend) or trainer")
 
 
 @dataclass

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
-from gspo_lab.eval_sets import EvalPlan, SetSpec
+from gspo_lab.eval_sets import EvalPlan, SetSpec, evaluation_sampler
 from gspo_lab.evaluation import HELDOUT, EvalSettings, write_jsonl
 from gspo_lab.models.lm_head import fp32_lm_head
 from gspo_lab.models.lora import LoraPolicy
@@ -448,11 +448,13 @@ class RLModule(RolloutCollection, L.LightningModule):
         training's random state is restored after it. Rank 0 keeps its prompts among the first `eval.samples` of each
         set in samples/step_<step>.jsonl (and a wandb Table)."""
         cuda = [self.device] if self.device.type == "cuda" else []
+        sampler, engine = evaluation_sampler(self.engine, self.model, self.evaluator.settings.engine)
         with torch.random.fork_rng(devices=cuda):
             metrics, rows = self.evaluator.run(
                 self.model, self.tokenizer, self.global_rank, self.trainer.world_size,
                 reduce_sum=lambda t: self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").cpu(),
-                keep=self.evaluator.settings.samples, sampler=self.engine.eval_sampler())
+                keep=self.evaluator.settings.samples, sampler=sampler)
+        metrics.update(engine)
         if rows and self.global_rank == 0:
             self.write_samples(step, rows)
         return metrics

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from matplotlib.axes import Axes
 
-from gspo_lab.report.study import FIGURES, UnknownBaseline, load_run, main, report
+from gspo_lab.report.study import FIGURES, MixedEvalEngines, UnknownBaseline, load_run, main, report
 
 
 def write_run(run_dir, overrides: list[str], accuracy: list[float], eval_size: int | None = None) -> None:
@@ -217,6 +217,20 @@ def test_a_baseline_that_matches_no_setting_is_refused_naming_the_settings(sweep
     with pytest.raises(UnknownBaseline, match=r"--baseline='algorithm=gsop' matches no setting; the settings are: "
                                               r"'algorithm=grpo', 'algorithm=grpo_rr', 'algorithm=gspo'"):
         report([sweep], tmp_path / "out", "algorithm=gsop")
+
+
+def test_a_setting_whose_runs_evaluated_on_different_engines_is_refused_unless_told(tmp_path):
+    """Seed 1 of gspo evaluated on vLLM's bfloat16 engine (summary.json), seed 0 on the trainer (a run from before
+    the engine was recorded: its config says hf): one column would mix two measurements."""
+    for number, seed in enumerate((0, 1)):
+        write_run(tmp_path / "sweep" / str(number), ["algorithm=gspo", f"seed={seed}"], [0.0, 0.5])
+    summary = tmp_path / "sweep" / "1" / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "eval/engine": "vllm bfloat16"}))
+    with pytest.raises(MixedEvalEngines, match=r"the runs of setting 'all runs alike' evaluated on different engines "
+                                               r"\(0: transformers float32, 1: vllm bfloat16\)"):
+        report([tmp_path / "sweep"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert "all runs alike" in report([tmp_path / "sweep"], tmp_path / "out", mixed_eval_engines=True)
 
 
 def test_cli_refuses_a_typo_baseline_in_one_line_and_writes_nothing(sweep, tmp_path, capsys):

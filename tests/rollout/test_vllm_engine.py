@@ -16,6 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from gspo_lab.eval_sets import evaluation_sampler
 from gspo_lab.rollout import token_logprobs
 from gspo_lab.rollout.generation import draw_row_seeds
 from gspo_lab.rollout.vllm_engine import NarrowingLoadFilter, VLLMEngine, _reload, checkpoint_weights
@@ -143,10 +144,13 @@ def test_evaluation_generates_through_the_engine_greedy_as_transformers_does(com
     held-out prompts are transformers' (float32, the same weights: argmax ties aside)."""
     _, module, _ = build(compose(rl_overrides + VLLM + ["task.eval_size=24"]))
     try:
-        engine, engine_rows = module.evaluator.run(module.model, module.tokenizer, sampler=module.engine.eval_sampler())
-        hf, hf_rows = module.evaluator.run(module.model, module.tokenizer)
+        sampler, on_engine = evaluation_sampler(module.engine, module.model, "rollout")
+        engine, engine_rows = module.evaluator.run(module.model, module.tokenizer, sampler=sampler)
+        sampler, on_trainer = evaluation_sampler(module.engine, module.model, "trainer")  # eval.engine=trainer
+        hf, hf_rows = module.evaluator.run(module.model, module.tokenizer, sampler=sampler)
     finally:
         module.close()
+    assert (on_engine["eval/engine_vllm"], on_trainer["eval/engine_vllm"]) == (1, 0)
     assert module.engine.llm is None  # started for the evaluation, then closed
     same = sum(e["completion"] == h["completion"] for e, h in zip(engine_rows, hf_rows))
     assert len(engine_rows) == len(hf_rows) == 24 and same >= 22

@@ -34,6 +34,7 @@ class Run:
     summary: dict | None
     failed: bool
     eval_size: int | None = None  # held-out prompts per evaluation (task.eval_size in its config), if recorded
+    eval_engine: str | None = None  # what generated its evaluations ("vllm bfloat16"; `evaluating_engine`)
     setting: str = ""  # the overrides in which runs differ, set by `discover`
 
     @cached_property
@@ -109,9 +110,24 @@ class Study:
     def of(self, setting: str) -> list[Run]:
         return sorted((r for r in self.complete if r.setting == setting), key=lambda r: (r.seed is None, r.seed))
 
+    def check_eval_engines(self) -> None:
+        """Refuse a setting whose runs evaluated on different engines (vLLM's bfloat16 engine and the float32
+        trainer measure different accuracies of the same weights): its column would mix them."""
+        for setting in self.settings():
+            engines = {run.eval_engine for run in self.of(setting)}
+            if len(engines) > 1:
+                runs = ", ".join(f"{run.path.name}: {run.eval_engine}" for run in self.of(setting))
+                raise MixedEvalEngines(f"the runs of setting {setting!r} evaluated on different engines ({runs}); "
+                                       "evaluate them alike (gspo-eval eval.engine=trainer), or pass "
+                                       "--mixed-eval-engines to report them in one column anyway")
+
 
 class UnknownBaseline(ValueError):
     """--baseline names no setting of the study; the message lists the settings it could name."""
+
+
+class MixedEvalEngines(ValueError):
+    """A setting's runs evaluated on different engines; the message names each run's."""
 
 
 def natural_key(text: str) -> list:
@@ -140,7 +156,28 @@ def load_run(path: Path) -> Run:
     summary_file = path / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
     return Run(path, frozenset(kept), seed, summary, (path / "failed.txt").is_file(),
-               eval_size if isinstance(eval_size, int) else None)
+               eval_size if isinstance(eval_size, int) else None, evaluating_engine(summary, config))
+
+
+def evaluating_engine(summary: dict | None, config: dict) -> str:
+    """What generated a run's evaluations: summary.json's eval/engine, or for a run from before it was recorded,
+    what its config implies (vLLM's engine in its dtype for rollout.backend=vllm; else transformers on the trainer's
+    weights, in bfloat16 under a bf16 trainer.precision).
+
+    >>> evaluating_engine(None, {"rollout": {"backend": "vllm", "vllm": {"dtype": "bfloat16"}}})
+    'vllm bfloat16'
+    >>> evaluating_engine(None, {"trainer": {"precision": "bf16-mixed"}, "model": {"dtype": "float32"}})
+    'transformers bfloat16'
+    """
+    if (summary or {}).get("eval/engine"):
+        return summary["eval/engine"]
+    model_dtype = (config.get("model") or {}).get("dtype") or "float32"
+    rollout = config.get("rollout") or {}
+    on_trainer = (config.get("eval") or {}).get("engine") == "trainer"
+    if rollout.get("backend") == "vllm" and not on_trainer:
+        return f"vllm {(rollout.get('vllm') or {}).get('dtype') or model_dtype}"
+    bf16 = str((config.get("trainer") or {}).get("precision", "")).startswith("bf16")
+    return f"transformers {'bfloat16' if bf16 else model_dtype}"
 
 
 def run_dirs(directory: Path) -> list[Path]:

@@ -28,8 +28,8 @@ from gspo_lab.report.figures import CURVES, PROFILE, curves, eval_set_curves, pr
 from gspo_lab.report.grid import UnknownGridKey, check_baseline, heatmaps
 from gspo_lab.report.grid import tables as grid_tables
 # Run and load_run are re-exported: callers of gspo_lab.report.study read runs through it
-from gspo_lab.report.runs import (REWARD_FLOOR, REWARD_WINDOW, Run, Study, UnknownBaseline,  # noqa: F401
-                                  discover, load_run)
+from gspo_lab.report.runs import (REWARD_FLOOR, REWARD_WINDOW, MixedEvalEngines, Run, Study,  # noqa: F401
+                                  UnknownBaseline, discover, load_run)
 from gspo_lab.report.samples import CHARS, PROMPTS, SAMPLES, sample_tables
 from gspo_lab.report.stats import CONFIDENCE, NOISE_Z, RESAMPLES, percentile_coverage
 from gspo_lab.report.tables import (CI, HEADLINE, PAIRED_OVER, UNPAIRED_OVER, markdown, paired, paired_text,
@@ -154,10 +154,10 @@ def sections(study: Study, dirs: list[Path], baseline: str | None, collapse_drop
 
 def report(dirs: list[Path], out: Path, baseline: str | None = None, collapse_drop: float = 0.1,
            bootstrap_seed: int = 0, metric: str = HEADLINE[0], grid: tuple[str, str] | None = None,
-           grid_baseline: str | None = None, setting_figures: bool = True) -> str:
+           grid_baseline: str | None = None, setting_figures: bool = True, mixed_eval_engines: bool = False) -> str:
     """Writes report.md, report.html, statistics.csv, paired.csv and the figures (with `grid`, the grid's
     heatmaps; without `setting_figures`, none of those with a line per setting) into `out`; returns the text it
-    prints."""
+    prints. A setting whose runs evaluated on different engines is refused unless `mixed_eval_engines`."""
     study = discover(dirs)
     if not study.runs:
         raise SystemExit(
@@ -168,6 +168,8 @@ def report(dirs: list[Path], out: Path, baseline: str | None = None, collapse_dr
              for r in study.runs if r.summary is None]
     if not study.complete:
         raise SystemExit("gspo-report: no finished run (none has summary.json):\n" + "\n".join(notes))
+    if not mixed_eval_engines:
+        study.check_eval_engines()
     baseline = choose_baseline(study.settings(), baseline)  # before anything is written: a bad one leaves no files
     logged = {key for run in study.complete for row in run.rows for key in row}
     if metric not in HEADLINE and metric not in logged:
@@ -219,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-setting-figures", dest="setting_figures", action="store_false", help="leave out the "
                         "figures with a line per setting (the curves and the performance profile), which many "
                         "settings make unreadable; with --grid its heatmaps show them instead")
+    parser.add_argument("--mixed-eval-engines", action="store_true", help="report a setting whose runs evaluated "
+                        "on different engines (vLLM's, the trainer's; each run's summary.json eval/engine) in one "
+                        "column; refused by default")
     args = parser.parse_args(argv)
     grid = tuple(args.grid.split(",")) if args.grid else None
     if args.grid_baseline is not None and grid is None:
@@ -227,8 +232,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"gspo-report: --grid={args.grid!r}: expected two keys, ROW,COLUMN (e.g. train.lr,clip_scale)\n")
     try:
         text = report(args.dirs, args.out or args.dirs[0], args.baseline, args.collapse_drop, args.bootstrap_seed,
-                      args.metric, grid, args.grid_baseline, args.setting_figures)
-    except (UnknownBaseline, UnknownMetric, UnknownGridKey) as error:
+                      args.metric, grid, args.grid_baseline, args.setting_figures, args.mixed_eval_engines)
+    except (UnknownBaseline, UnknownMetric, UnknownGridKey, MixedEvalEngines) as error:
         parser.exit(2, f"gspo-report: {error}\n")
     print(text)
     sys.stdout.flush()

@@ -8,6 +8,35 @@ import math
 from gspo_lab.report.run import is_set_metric, series
 
 
+MANTISSA_BITS = {"float64": 52, "float32": 23, "float16": 10, "bfloat16": 7}  # explicit bits: names each dtype
+
+
+def eval_engine_columns(on_vllm: bool, dtype: str) -> dict[str, float]:
+    """metrics.csv's record of what generated an evaluation: eval/engine_vllm, 1 for vLLM's engine and 0 for
+    transformers on the trainer's weights, and eval/engine_mantissa_bits, the mantissa bits of the dtype it
+    computed in (MANTISSA_BITS).
+
+    >>> eval_engine_columns(True, "bfloat16")
+    {'eval/engine_vllm': 1.0, 'eval/engine_mantissa_bits': 7.0}
+    """
+    return {"eval/engine_vllm": float(on_vllm), "eval/engine_mantissa_bits": float(MANTISSA_BITS[dtype])}
+
+
+def eval_engine(history: list[dict[str, float]]) -> str | None:
+    """What generated the run's last evaluation, as "vllm bfloat16" or "transformers float32" (summary.json's
+    eval/engine); None where no row records it.
+
+    >>> eval_engine([{"eval/engine_vllm": 0.0, "eval/engine_mantissa_bits": 23.0}, {"loss/total": 1.0}])
+    'transformers float32'
+    """
+    rows = [row for row in history if "eval/engine_vllm" in row]
+    if not rows:
+        return None
+    names = {bits: name for name, bits in MANTISSA_BITS.items()}
+    return (f"{'vllm' if rows[-1]['eval/engine_vllm'] else 'transformers'} "
+            f"{names[int(rows[-1]['eval/engine_mantissa_bits'])]}")
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
@@ -29,6 +58,7 @@ def summarise(history: list[dict[str, float]], seconds: float, algorithm: str | 
         "seconds": round(seconds, 1),
         "run_dir": run_dir,
         "eval/final": final_evaluation(history),
+        "eval/engine": eval_engine(history),
     }
 
 

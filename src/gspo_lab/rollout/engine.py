@@ -15,7 +15,6 @@ recomputes the top-k and its gate weights from the noisy logits, the way the rou
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from contextlib import ExitStack, contextmanager
 from typing import Iterator
@@ -104,10 +103,6 @@ class RolloutEngine:
 
     def close(self) -> None:
         """Nothing to stop: the copy, if any, is an ordinary module."""
-
-    def eval_sampler(self):
-        """What evaluation generates with: `generate` on the trainer's own model (not an engine copy)."""
-        return functools.partial(generate, self.trainer_model)
 
     def generate(self, tokenizer, prompts: list[str], rollout: RolloutConfig, row_seeds: Tensor,
                  add_special_tokens: bool, routing) -> tuple[Completions, RoutingTrace | None]:

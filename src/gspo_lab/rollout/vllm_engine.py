@@ -153,6 +153,11 @@ class VLLMEngine:
         return self.trainer_model
 
     @property
+    def dtype(self) -> str:
+        """The engine's dtype: rollout.vllm.dtype, or the trainer model's."""
+        return self.config.dtype or str(next(self.trainer_model.parameters()).dtype).removeprefix("torch.")
+
+    @property
     def device_type(self) -> str:
         """Where the trainer's model, and so the engine, runs: "cpu" or "cuda"."""
         return next(self.trainer_model.parameters()).device.type
@@ -168,7 +173,6 @@ class VLLMEngine:
         config.architectures = [type(self.trainer_model).__name__]
         config.save_pretrained(self.folder.name)
         weight = next(self.trainer_model.parameters())
-        dtype = self.config.dtype or str(weight.dtype).removeprefix("torch.")
         # on CPU the KV cache is this engine's rollout.vllm.cpu_kv_cache_gb (a VLLM_CPU_KVCACHE_SPACE of the user's
         # wins); on a GPU gpu_memory_utilization sizes it
         kv_cache = {"kv_cache_memory_bytes": self.config.cpu_kv_cache_gb * 2**30} if weight.device.type == "cpu" else {}
@@ -176,7 +180,7 @@ class VLLMEngine:
         with host_state_kept(), autocast_off(weight.device.type):
             self.llm = LLM(
                 **ranks_own_engine(weight.device), **kv_cache, model=self.folder.name, load_format="dummy", skip_tokenizer_init=True,
-                dtype=dtype, seed=0, runner="generate",
+                dtype=self.dtype, seed=0, runner="generate",
                 # a partly prefilled row's sampled token is discarded by rewinding its seeded generator, which
                 # CPU generators cannot do (RuntimeError: CPU Generator does not use offset): on CPU each prompt
                 # is prefilled whole
