@@ -161,7 +161,8 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
         raise EvalError(str(error)) from error
     evaluator = plan.evaluator(tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.get("stop_token_ids") or [], cfg.seed)
     # an engine only where it generates: vLLM's; an hf engine (maybe a quantised copy) evaluates on the model itself
-    engine = rollout_engine(cfg, model) if evaluator.settings.engine == "rollout" and cfg.rollout.backend == "vllm" else None
+    on_vllm = evaluator.settings.engine == "rollout" and cfg.rollout.backend == "vllm"
+    engine = rollout_engine(cfg, model) if on_vllm else None
     total = sum(len(s.examples) * (evaluator.settings.greedy + evaluator.settings.n) for s in evaluator.sets)
     try:
         sampler, generated_by = evaluation_sampler(engine, model, evaluator.settings.engine)

@@ -5,10 +5,9 @@ The engine starts at the first rollout, on the device Lightning put the model on
 from the model's config with dummy weights (`load_format="dummy"`), and the first sync loads the trainer's. A
 sync streams the trainer's parameters and persistent buffers (a router's selection bias) one at a time, named as
 the checkpoint names them (transformers' weight conversions reverted: a MoE's fused expert banks split per
-expert), through vLLM's in-place reload
-(`reload_weights`: each layer's loaders, then its post-load processing), and resets the prefix cache, whose keys
-and values the old weights computed. On CPU the post-load processing repacks every Linear for its GEMM kernel,
-but not a MoE's expert banks, which `repack_cpu_experts` repacks.
+expert), through vLLM's in-place reload (`reload_weights`: each layer's loaders, then its post-load processing),
+and resets the prefix cache, whose keys and values the old weights computed. On CPU the post-load processing
+repacks every Linear for its GEMM kernel, but not a MoE's expert banks, which `repack_cpu_experts` repacks.
 
 Each row samples with its own seed (`SamplingParams(seed=...)`), so a row's tokens do not depend on the batch;
 vLLM returns log softmax(logits / T) of each sampled token (`logprobs_mode="processed_logprobs"`: what the trainer
@@ -37,6 +36,7 @@ from torch import Tensor
 from gspo_lab.config import RolloutConfig, VLLMConfig
 from gspo_lab.rollout.generation import Completions, cut_at_stop, stop_ids
 from gspo_lab.rollout.vllm_setup import checkpoint_tensors, environment
+
 
 class NarrowingLoadFilter(logging.Filter):
     """Drops vLLM's warning that a weight is loaded into a parameter of another dtype, which a reload into an
@@ -172,19 +172,20 @@ class VLLMEngine:
         # a model built from config and never saved names no architecture, and vLLM would guess another runner
         config.architectures = [type(self.trainer_model).__name__]
         config.save_pretrained(self.folder.name)
-        weight = next(self.trainer_model.parameters())
+        on_cpu = self.device_type == "cpu"
         # on CPU the KV cache is this engine's rollout.vllm.cpu_kv_cache_gb (a VLLM_CPU_KVCACHE_SPACE of the user's
         # wins); on a GPU gpu_memory_utilization sizes it
-        kv_cache = {"kv_cache_memory_bytes": self.config.cpu_kv_cache_gb * 2**30} if weight.device.type == "cpu" else {}
+        kv_cache = {"kv_cache_memory_bytes": self.config.cpu_kv_cache_gb * 2**30} if on_cpu else {}
         self.owns_process_group = not torch.distributed.is_initialized()
-        with host_state_kept(), autocast_off(weight.device.type):
+        with host_state_kept(), autocast_off(self.device_type):
             self.llm = LLM(
-                **ranks_own_engine(weight.device), **kv_cache, model=self.folder.name, load_format="dummy", skip_tokenizer_init=True,
-                dtype=self.dtype, seed=0, runner="generate",
+                **ranks_own_engine(next(self.trainer_model.parameters()).device), **kv_cache,
+                model=self.folder.name, load_format="dummy", skip_tokenizer_init=True, dtype=self.dtype, seed=0,
+                runner="generate",
                 # a partly prefilled row's sampled token is discarded by rewinding its seeded generator, which
                 # CPU generators cannot do (RuntimeError: CPU Generator does not use offset): on CPU each prompt
                 # is prefilled whole
-                enable_chunked_prefill=weight.device.type != "cpu",
+                enable_chunked_prefill=not on_cpu,
                 max_model_len=self.config.max_model_len, logprobs_mode="processed_logprobs",
                 generation_config="vllm", enforce_eager=self.config.enforce_eager,
                 gpu_memory_utilization=self.config.gpu_memory_utilization,
