@@ -2,7 +2,6 @@
 sampling is deterministic, demonstrations score 1, bad names and settings are refused in one line, the
 task's BPE tokenizer round-trips and reloads, and one real RL step runs on it."""
 
-import os
 import random
 import re
 
@@ -210,9 +209,9 @@ def test_completions_a_verifier_evals_grade_outside_the_trainer_in_rl(dataset, c
     finally:
         rewards.runner.close()
     assert scores.total.tolist() == [1.0, 0.0, 0.0]
-    assert (scores.metrics["reward/timeouts"], scores.metrics["reward/errors"]) == (1.0, 0.0)
-    evaluated_in = written.read_text().split()  # the writer was evaluated, once, by a process other than this one
-    assert len(evaluated_in) == 1 and evaluated_in != [str(os.getpid())]
+    # the writer: evaluated in the worker, its write refused there (gspo_lab.grading.guard), a counted error
+    assert (scores.metrics["reward/timeouts"], scores.metrics["reward/errors"]) == (1.0, 1.0)
+    assert not written.exists()
 
 
 def test_completions_a_verifier_evals_grade_outside_the_trainer_in_evaluation(compose, tmp_path):
@@ -227,8 +226,7 @@ def test_completions_a_verifier_evals_grade_outside_the_trainer_in_evaluation(co
         metrics, _ = evaluator.run(None, None, sampler=lambda *args, **kwargs: completions_of([writer(written), TOWER]))
     finally:
         plan.close()
-    for name in EVALS:
-        assert (metrics[f"eval/{name}/greedy"], metrics[f"eval/{name}/grading_failures"]) == (0.0, 1.0), name
+    for name in EVALS:  # the writer's write refused in the worker, the tower timed out: both failures
+        assert (metrics[f"eval/{name}/greedy"], metrics[f"eval/{name}/grading_failures"]) == (0.0, 2.0), name
     assert metrics["eval/heldout/grading_failures"] == 0.0
-    evaluated_in = written.read_text().split()
-    assert len(evaluated_in) == len(EVALS) and str(os.getpid()) not in evaluated_in
+    assert not written.exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gspo_lab.grading.guard import guarded
 from gspo_lab.grading.pool import GradingPool, call_inline
 
 if TYPE_CHECKING:  # annotations only: tasks sit above grading
@@ -21,8 +22,9 @@ class Checker:
         self.task = task
 
     def __call__(self, example: Example, completion: str, extract: bool) -> tuple[bool, str | None]:
-        answer = self.task.answer_of(completion, example) if extract else None
-        return bool(self.task.is_correct(example, completion)), answer
+        with guarded():  # in a grading worker: no side effects (gspo_lab.grading.guard)
+            answer = self.task.answer_of(completion, example) if extract else None
+            return bool(self.task.is_correct(example, completion)), answer
 
 
 @dataclass

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+from gspo_lab.grading import guard
+
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300  # a worker's imports before its first call
 STDERR_TAIL = 2000  # characters of a dead worker's stderr its error quotes
@@ -67,6 +69,7 @@ def serve(fd: int) -> None:
     "loaded") and answer each call `(key, None, args, kwargs)` with `(True, Outcome)`, until it receives None or
     the parent goes away; a message it cannot unpickle is answered `(False, Outcome)`."""
     connection, functions = Connection(fd), {}
+    guard.install()  # a task's checker on model output may not write files or start processes here
     connection.send_bytes(pickle.dumps("ready"))
     while True:
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 
 from gspo_lab.grading.answers import last_boxed, last_number, math_equal, text_of
+from gspo_lab.grading.guard import guarded
 from gspo_lab.tasks.base import Example, Task
 
 # a completion that opens a think block, closes it, then answers
@@ -119,7 +120,8 @@ class TaskReward:
     def __call__(self, prompts, completions, answer, **columns) -> list[float]:
         columns.pop("completion_ids", None)
         rewards = []
-        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-            example = Example(prompt, answer[i], {key: values[i] for key, values in columns.items()})
-            rewards.append(float(self.task.reward(example, text_of(completion))))
+        with guarded():  # in a grading worker: no side effects (gspo_lab.grading.guard)
+            for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+                example = Example(prompt, answer[i], {key: values[i] for key, values in columns.items()})
+                rewards.append(float(self.task.reward(example, text_of(completion))))
         return rewards
