@@ -37,9 +37,16 @@ def as_groups(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
-    """[N / group_size] bool: the groups whose rewards are all equal (their advantages are all zero)."""
+    """[N / group_size] bool: the groups whose rewards are all equal (their advantages are all zero). A NaN reward
+    (a completion no reward function scored) takes no part: a group with one scored completion or none is all
+    equal.
+
+    >>> zero_std_groups(torch.tensor([1.0, 0.0, 1.0, float("nan"), float("nan"), float("nan")]), 2).tolist()
+    [False, True, True]
+    """
     groups = as_groups(rewards, group_size)
-    return groups.amax(-1) == groups.amin(-1)
+    scored = ~groups.isnan()
+    return torch.where(scored, groups, -torch.inf).amax(-1) <= torch.where(scored, groups, torch.inf).amin(-1)
 
 
 def frac_zero_std(rewards: Tensor, group_size: int) -> Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gspo_lab.rollout import Completions, PromptSchedule
+from gspo_lab.rollout.collection import sample_metrics
 from gspo_lab.rollout.dynamic_sampling import SampledRound, merge_rounds
 from gspo_lab.routing.trace import RoutingTrace
 from gspo_lab.tasks.arithmetic import Arithmetic
@@ -19,9 +20,11 @@ TRAINED = ("trained/reward/mean", "trained/reward/std", "trained/reward/frac_zer
 NEW_METRICS = ("rollout/sampling_rounds", "rollout/unfilled_groups", "rollout/frac_zero_std_sampled") + TRAINED
 
 
-def sampled_round(tag: int, rewards: list[float], prompt_len: int, completion_len: int) -> SampledRound:
+def sampled_round(tag: int, rewards: list[float], prompt_len: int, completion_len: int,
+                  unscored: int | None = None) -> SampledRound:
     """A round of len(rewards) rows whose tokens, log-probs and experts all encode (tag, row, column):
-    prompt token 100 * tag + 10 * row + column + 1, completion token the same from column prompt_len on."""
+    prompt token 100 * tag + 10 * row + column + 1, completion token the same from column prompt_len on; row
+    `unscored` is one no reward function applied to (its reward 0, as the rollout totals it)."""
     rows = len(rewards)
     width = prompt_len + completion_len
     tokens = torch.tensor([[100 * tag + 10 * r + c + 1 for c in range(width)] for r in range(rows)])  # [N, P + C]
@@ -33,24 +36,22 @@ def sampled_round(tag: int, rewards: list[float], prompt_len: int, completion_le
     )
     trace = RoutingTrace(tokens[None, :, :, None].to(torch.int16), torch.ones(rows, width, dtype=torch.bool), prompt_len)
     examples = [Example(f"p{tag}.{r // 2}", "a") for r in range(rows)]
-    applies = torch.arange(rows) != 3  # row 3: no reward function applied
+    applies = torch.arange(rows) != (-1 if unscored is None else unscored)
     components = torch.where(applies, 100.0 * tag + torch.arange(rows), torch.nan)[:, None]  # [N, 1] (tag, row)
-    return SampledRound(examples, completions, torch.tensor(rewards), applies, components, trace)
+    return SampledRound(examples, completions, torch.tensor(rewards) * applies, applies, components, trace)
 
 
 def test_merge_keeps_informative_groups_in_sampling_order_and_repads_rows_and_experts():
     # groups of 2: round 0 = [zero std, informative], round 1 = [informative, zero std]; widths differ
     first = sampled_round(1, [1.0, 1.0, 0.0, 1.0], prompt_len=2, completion_len=1)
-    second = sampled_round(2, [0.0, 1.0, 0.5, 0.5], prompt_len=3, completion_len=2)
+    second = sampled_round(2, [0.0, 1.0, 0.5, 0.5], prompt_len=3, completion_len=2, unscored=3)
     merged, unfilled = merge_rounds([first, second], group_size=2, needed=2, pad_id=PAD)
     assert unfilled == 0
     assert [e.prompt for e in merged.examples] == ["p1.1", "p1.1", "p2.0", "p2.0"]
     assert merged.completions.texts == ["1.2", "1.3", "2.0", "2.1"]
     assert merged.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
-    assert merged.applies.tolist() == [True, False, True, True]  # round 0's row 3 travels with its row
-    # each reward function's rewards too (the advantage=gdpo input), NaN where none applied
-    torch.testing.assert_close(merged.components, torch.tensor([[102.0], [torch.nan], [200.0], [201.0]]),
-                               equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(merged.components, torch.tensor([[102.0], [103.0], [200.0], [201.0]]),
+                               rtol=0, atol=0)
     # round 1's rows 2, 3 gain one column of left padding and one of right padding
     assert merged.completions.prompt_ids.tolist() == [[PAD, 121, 122], [PAD, 131, 132], [201, 202, 203], [211, 212, 213]]
     assert merged.completions.prompt_mask.tolist() == [[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]]
@@ -70,6 +71,24 @@ def test_a_step_still_short_after_its_rounds_keeps_the_earliest_zero_std_groups(
     merged, unfilled = merge_rounds([first, second], group_size=2, needed=3, pad_id=PAD)
     assert unfilled == 1  # two informative groups in all; round 0's zero-std group fills the third place
     assert merged.completions.texts == ["1.0", "1.1", "1.2", "1.3", "2.0", "2.1"]
+
+
+def test_a_group_with_one_scored_completion_is_not_informative():
+    """Row 1 of round 0 no reward function scored: its group holds one scored reward (1.0 against the unscored
+    row's 0 total), so it has no advantage to give, and round 1's group replaces it; a short step keeps it as a
+    zero-std group, the unscored row with its row (applies, and NaN in each function's rewards, the gdpo input)."""
+    first = sampled_round(1, [1.0, 1.0, 0.0, 1.0], prompt_len=2, completion_len=1, unscored=1)
+    second = sampled_round(2, [0.0, 1.0, 0.5, 0.5], prompt_len=3, completion_len=2)
+    merged, unfilled = merge_rounds([first, second], group_size=2, needed=2, pad_id=PAD)
+    assert unfilled == 0 and merged.completions.texts == ["1.2", "1.3", "2.0", "2.1"]
+    merged, unfilled = merge_rounds([first, second], group_size=2, needed=3, pad_id=PAD)
+    assert unfilled == 1 and merged.completions.texts == ["1.0", "1.1", "1.2", "1.3", "2.0", "2.1"]
+    assert merged.applies.tolist() == [True, False, True, True, True, True]
+    torch.testing.assert_close(merged.components[:2], torch.tensor([[100.0], [torch.nan]]), equal_nan=True,
+                               rtol=0, atol=0)
+    metrics = sample_metrics(first.scored_rewards, first.completions, group_size=2)
+    assert metrics["reward/mean"] == pytest.approx(2 / 3, rel=1e-6) and metrics["reward/frac_zero_std"] == 0.5
+    # rows 0, 2, 3 scored: the mean of 1, 0, 1 in float32, and group 0 (one scored) is all equal
 
 
 def test_further_rounds_draw_other_prompts_and_round_zero_is_the_step_itself():

@@ -35,11 +35,11 @@ class RolloutCollection:
         cfg = self.rollout_cfg
         sampled = self.sample_round(step, 0, metrics)
         # reward/* and completion/* describe the policy on the step's own prompts, filtered or not
-        metrics.update(sample_metrics(sampled.rewards, sampled.completions, cfg.group_size))
+        metrics.update(sample_metrics(sampled.scored_rewards, sampled.completions, cfg.group_size))
         if cfg.filter_zero_std_groups:
             sampled = self.resample_zero_std_groups(step, sampled, metrics)
             # the batch trained on (no all-equal groups, so no all-correct ones): names of its own
-            trained = sample_metrics(sampled.rewards, sampled.completions, cfg.group_size)
+            trained = sample_metrics(sampled.scored_rewards, sampled.completions, cfg.group_size)
             metrics.update({f"trained/{key}": value for key, value in trained.items()})
         completions, rewards, rollout_trace = sampled.completions, sampled.rewards, sampled.rollout_trace
         loss_mask = completions.completion_mask
@@ -134,7 +134,7 @@ class RolloutCollection:
         while self.trainer.strategy.reduce_boolean_decision(short(), all=False):  # ranks sample in lockstep
             rounds.append(self.sample_round(step, len(rounds), metrics))
         merged, unfilled = merge_rounds(rounds, cfg.group_size, needed, self.tokenizer.pad_token_id)
-        sampled = torch.cat([r.rewards for r in rounds])
+        sampled = torch.cat([r.scored_rewards for r in rounds])
         metrics["rollout/sampling_rounds"] = float(len(rounds))
         metrics["rollout/unfilled_groups"] = float(unfilled)
         metrics["rollout/frac_zero_std_sampled"] = frac_zero_std(sampled, cfg.group_size).item()
@@ -234,10 +234,12 @@ def reward_inputs(examples: list[Example], completions: Completions) -> tuple[li
 
 def sample_metrics(rewards: torch.Tensor, completions: Completions, group_size: int) -> dict[str, float]:
     """reward/mean, reward/std, reward/frac_zero_std, completion/len_mean and completion/truncated_frac of sampled
-    completions (rewards [N], groups contiguous)."""
+    completions (rewards [N], groups contiguous; NaN where no reward function scored a completion, which the
+    reward/* leave out: NaN where none was scored)."""
+    scored = rewards[~rewards.isnan()]
     return {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std(unbiased=False).item(),
+        "reward/mean": scored.mean().item(),
+        "reward/std": scored.std(unbiased=False).item(),
         "reward/frac_zero_std": frac_zero_std(rewards, group_size).item(),
         "completion/len_mean": completions.completion_mask.sum(-1).float().mean().item(),
         "completion/truncated_frac": completions.truncated.float().mean().item(),

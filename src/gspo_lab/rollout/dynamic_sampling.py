@@ -32,9 +32,14 @@ class SampledRound:
     components: Tensor  # [N, F] each reward function's rewards, NaN where it did not apply
     rollout_trace: RoutingTrace | None  # [layers, N, P + C, k] the engine's experts during generation, or None
 
+    @property
+    def scored_rewards(self) -> Tensor:
+        """[N] the rewards, NaN where no reward function scored the completion (out of every mean and std)."""
+        return torch.where(self.applies, self.rewards, torch.nan)
+
 
 def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
-    """[N / group_size] bool: the groups whose rewards are not all equal.
+    """[N / group_size] bool: the groups whose rewards are not all equal (NaN, unscored, left out).
 
     >>> informative_groups(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.5]), group_size=2)
     tensor([ True, False, False])
@@ -43,7 +48,7 @@ def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def informative_count(rounds: list[SampledRound], group_size: int) -> int:
-    return sum(int(informative_groups(r.rewards, group_size).sum()) for r in rounds)
+    return sum(int(informative_groups(r.scored_rewards, group_size).sum()) for r in rounds)
 
 
 def chosen_groups(informative: list[Tensor], needed: int) -> list[Tensor]:
@@ -62,7 +67,7 @@ def chosen_groups(informative: list[Tensor], needed: int) -> list[Tensor]:
 
 def merge_rounds(rounds: list[SampledRound], group_size: int, needed: int, pad_id: int) -> tuple[SampledRound, int]:
     """One round of `needed` groups chosen by `chosen_groups`, and how many of them have zero std."""
-    chosen = chosen_groups([informative_groups(r.rewards, group_size) for r in rounds], needed)
+    chosen = chosen_groups([informative_groups(r.scored_rewards, group_size) for r in rounds], needed)
     rows = [(groups[:, None] * group_size + torch.arange(group_size)).flatten() for groups in chosen]  # [n_r]
     parts = [(r, index) for r, index in zip(rounds, rows) if len(index)]
     prompt_len = max(r.completions.prompt_ids.shape[1] for r, _ in parts)
@@ -78,6 +83,6 @@ def merge_rounds(rounds: list[SampledRound], group_size: int, needed: int, pad_i
         components=torch.cat([r.components[index] for r, index in parts]),
         rollout_trace=RoutingTrace.cat(traces) if traces else None,
     )
-    unfilled = needed - int(informative_groups(merged.rewards, group_size).sum())
+    unfilled = needed - int(informative_groups(merged.scored_rewards, group_size).sum())
     return merged, unfilled
 
