@@ -15,6 +15,10 @@ Steps, in order (`--only` / `--skip` take their names):
   vocab_timing    bench_vocab at 256 tokens, per step, as bench_vs_trl times it and as a plain run logs it (the
                   10.8 s against 2.6-2.9 s of 2026-11-25)
   exactness       scripts/old_logprob_exactness.py on bench_gpu: bf16 old log-probs from generation and a forward
+  vllm_bf16_mixed rollout.backend=vllm under trainer=gpu (bf16-mixed) on tiny_moe, a float32 engine then a
+                  bfloat16 one (issue 47, item 2): the engine's log-probs against the float32 trainer's, and
+                  mismatch/kl and mismatch/seq_log_ratio_abs per step of two RL steps; skipped, and said so, where
+                  vLLM is not installed (the GPU image has none)
   micro_batches   scripts/bench.py on bench_gpu, its 64-row mini-batch whole and in micro-batches of 16 rows
   fsdp            scripts/bench.py on bench_gpu under FSDP2 on the one device
   recipes         two RL steps of each recipe (conf/experiment/recipe_*.yaml) on its tiny stand-ins, on the GPU
@@ -372,6 +376,101 @@ def exactness(settings: Settings, timeout: float) -> str:
     return block(output, lambda line: "|" in line or line.startswith("clip range"))
 
 
+# the engine under test, then the comparison
+VLLM_DTYPES = ("float32", "bfloat16")
+MISMATCH = ("mismatch/kl", "mismatch/seq_log_ratio_abs")
+
+
+def vllm_bf16_mixed(settings: Settings, timeout: float) -> str:
+    """rollout.backend=vllm under trainer.precision=bf16-mixed (issue 47, item 2), whose autocast vLLM's start,
+    sync, sampling and evaluation must not run under, once per engine dtype of VLLM_DTYPES (the bfloat16 one only
+    if what is left fits another as long as the float32 one): the engine against the float32 trainer, then two RL
+    steps of `gspo-train`. On CPU (the dry run) the same autocast, torch.autocast("cpu", bfloat16)."""
+    from gspo_lab.rollout import vllm_setup
+    if not vllm_setup.available():
+        return (f"Skipped: vLLM is not installed in this Python ({sys.executable}: `import vllm` finds nothing). The "
+                "GPU image has no vLLM, and its CUDA wheel is far larger than the 64 MiB the device tool carries.\n")
+    import vllm
+    gaps, steps, deadline, took = [], [], time.monotonic() + timeout, 0.0
+    for dtype in VLLM_DTYPES:
+        left = deadline - time.monotonic()
+        if left < took:
+            gaps.append([dtype, f"not run: {left:.0f} s left, the {VLLM_DTYPES[0]} runs took {took:.0f} s", ""])
+            continue
+        started = time.monotonic()
+        try:  # a failure (a fused kernel refusing mixed dtypes) is reported, and the RL steps still run
+            gaps.append([dtype, *(f"{value:.3g}" for value in engine_gap(settings, dtype))])
+        except Exception as error:
+            gaps.append([dtype, f"failed: {type(error).__name__}: {str(error)[-300:]}", ""])
+        try:
+            steps += [[dtype, *row] for row in rl_steps(settings, dtype, deadline - time.monotonic())]
+        except RuntimeError as error:
+            steps.append([dtype, "failed: " + str(error).strip().splitlines()[-1][:300], "", ""])
+        took = time.monotonic() - started
+    return (f"vLLM {vllm.__version__}, `rollout.backend=vllm trainer.precision=bf16-mixed` on tiny_moe (random "
+            "weights). The engine started, synced and sampled inside Lightning's bf16-mixed autocast; its log-probs of "
+            "its samples against the float32 trainer's outside it (a float32 engine that autocast did not reach is "
+            "off by float32 rounding, orders of magnitude below the bfloat16 engine):\n\n"
+            + table(["rollout.vllm.dtype", "max abs Δ log-prob", "mean abs Δ log-prob"], gaps)
+            + "\nTwo RL steps of `gspo-train`, metrics.csv: mismatch/* compare the engine with the trainer's forward, "
+            "which runs under the same autocast, so both dtypes carry the trainer's bfloat16 rounding:\n\n"
+            + table(["rollout.vllm.dtype", "RL step", *MISMATCH], steps))
+
+
+def vllm_overrides(settings: Settings, dtype: str) -> list[str]:
+    tiny = ["model.config.num_hidden_layers=1", "model.config.hidden_size=64", "model.config.moe_intermediate_size=32",
+            "rollout.prompts_per_step=4", "rollout.group_size=4"] if settings.tiny else []
+    return [*settings.trainer(), "trainer.precision=bf16-mixed", "rollout.backend=vllm", f"rollout.vllm.dtype={dtype}",
+            "sft.enabled=false", "rollout.max_new_tokens=16", *tiny]
+
+
+def engine_gap(settings: Settings, dtype: str) -> tuple[float, float]:
+    """max and mean |engine log-prob - trainer log-prob| over one rollout's sampled tokens, the engine of `dtype`
+    started, synced and sampling inside `train_step_context` (the autocast of an RL step), the trainer's log-probs
+    in float32 outside it."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from gspo_lab import CONFIG_DIR
+    from gspo_lab.rollout import token_logprobs
+    from gspo_lab.rollout.generation import draw_row_seeds
+    from gspo_lab.train import build
+
+    with tempfile.TemporaryDirectory() as out, initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        run_, module, _ = build(compose("train", overrides=[*vllm_overrides(settings, dtype), "logger=[]",
+                                                            f"paths.output_dir={out}"]))
+    model, rollout = module.model.to(run_.trainer.strategy.root_device), module.rollout_cfg
+    prompts = [e.prompt for e in module.task.examples("train", rollout.prompts_per_step, seed=0)
+               for _ in range(rollout.group_size)]
+    try:
+        with run_.trainer.precision_plugin.train_step_context():
+            module.engine.sync()
+            done, _ = module.engine.generate(module.tokenizer, prompts, rollout, draw_row_seeds(len(prompts)),
+                                             module.render.add_special_tokens)
+    finally:
+        module.close()
+    ids = torch.cat([done.prompt_ids, done.completion_ids], 1).to(model.device)  # [B, T]
+    mask = torch.cat([done.prompt_mask, done.completion_mask], 1).to(model.device)  # [B, T]
+    with torch.no_grad():
+        trainer, _ = token_logprobs(model, ids, mask, done.completion_ids.shape[1], rollout.temperature)  # [B, C]
+    sampled = done.completion_mask.to(model.device).bool()  # [B, C]
+    gap = (done.logprobs.to(model.device) - trainer)[sampled].abs()
+    return gap.max().item(), gap.mean().item()
+
+
+def rl_steps(settings: Settings, dtype: str, timeout: float) -> list[list[str]]:
+    """`gspo-train` for two RL steps with a vLLM engine of `dtype` (evaluating through it at step 0 and after the
+    last): each step's MISMATCH from its metrics.csv."""
+    import csv
+    with tempfile.TemporaryDirectory() as out:
+        run([sys.executable, "-m", "gspo_lab.train", *vllm_overrides(settings, dtype), "train.steps=2",
+             "train.eval_every=2", "task.eval_size=16", "callbacks.progress.refresh_rate=0", f"hydra.run.dir={out}"],
+            timeout)
+        with open(Path(out) / "metrics.csv") as file:
+            return [[row["step"], *(f"{float(row[key]):.3g}" for key in MISMATCH)]
+                    for row in csv.DictReader(file) if row.get(MISMATCH[0])]
+
+
 def bench_lines() -> Callable[[str], bool]:
     """The figures scripts/bench.py prints, without its progress lines."""
     return lambda line: line.startswith(("workload", "  seconds", "    generation", "    updates", "  peak",
@@ -440,6 +539,8 @@ STEPS = [
     Step("bench_gpu", "bench_gpu against its floor and TRL", bench_gpu, 300),  # two rounds ran past 364 s
     Step("vocab_timing", "bench_vocab per step: timed run and plain run", vocab_timing, 120),
     Step("exactness", "bf16 old log-probs (bench_gpu)", exactness, 50),  # 44 s
+    Step("vllm_bf16_mixed", "vLLM under bf16-mixed: float32 and bfloat16 engines (tiny_moe)", vllm_bf16_mixed,
+         120),  # a guess: never run on a GPU (84 s on CPU at toy sizes, both engines)
     Step("micro_batches", "Micro-batches on bench_gpu", micro_batches, 160),  # its first run alone: over 63 s
     Step("fsdp", "FSDP2 on one device (bench_gpu)", fsdp, 90),
     Step("recipes", "Each recipe, two RL steps on its stand-ins", recipes, 120),

@@ -11,6 +11,7 @@ import torch
 
 from gspo_lab.models import TinyModel
 from gspo_lab.models.experts import recorded_kernels
+from gspo_lab.rollout import vllm_setup
 from gspo_lab.rollout.generation import generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +46,7 @@ def test_an_unknown_step_is_refused_by_name(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cpu", "--tiny", "--out",
                            str(tmp_path), "--only", "decode,mfu"], capture_output=True, text=True)
     assert done.returncode != 0 and "unknown step ['mfu']" in done.stderr and "matmul" in done.stderr
+    assert "vllm_bf16_mixed" in done.stderr
 
 
 def test_a_step_that_does_not_fit_the_budget_is_skipped_and_named(tmp_path):
@@ -54,6 +56,37 @@ def test_a_step_that_does_not_fit_the_budget_is_skipped_and_named(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| commit |" in report  # environment ran (20 s of 60)
     assert "Skipped: " in report and "--only bench_gpu" in report  # 300 s: not started, and the rerun named
+
+
+def vllm_step(out: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """The dry run of the vLLM step alone: the process and its report."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cpu", "--tiny", "--out", str(out),
+                           "--only", "vllm_bf16_mixed"], capture_output=True, text=True, timeout=900)
+    return done, (out / "gpu_check.md").read_text()
+
+
+@pytest.mark.skipif(vllm_setup.available(), reason="vLLM is installed here: the step runs (the test below)")
+def test_the_vllm_step_says_it_was_skipped_where_vllm_is_absent(tmp_path):
+    """The GPU image has no vLLM: the step says so, and the check does not fail."""
+    done, report = vllm_step(tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    title = next(step.title for step in gpu_check.STEPS if step.name == "vllm_bf16_mixed")
+    assert f"## {title}\n\nSkipped: vLLM is not installed in this Python" in report
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_setup.available(), reason="needs vLLM (make test-vllm)")
+def test_the_vllm_step_measures_both_engines_where_vllm_is_installed(tmp_path):
+    """On vLLM's CPU build under torch.autocast("cpu", bfloat16): the float32 engine's log-probs are the float32
+    trainer's to rounding (4.8e-7 measured) and the bfloat16 engine's are not (3.3e-3), and each engine's two RL
+    steps log their mismatch. The CPU build computes in float32 under autocast even without the fix (measured
+    at b897e38^): only a GPU run tells whether autocast reaches the engine."""
+    done, report = vllm_step(tmp_path)
+    assert done.returncode == 0 and "failed" not in report, report[-3000:]
+    gaps = dict(re.findall(r"\| (float32|bfloat16) \| ([\d.e+-]+) \| [\d.e+-]+ \|\n", report))
+    assert float(gaps["float32"]) < 1e-5 and float(gaps["bfloat16"]) > 1e-4
+    assert len(re.findall(r"\| (float32|bfloat16) \| [01] \| [\d.e+-]+ \| [\d.e+-]+ \|\n", report)) == 4
 
 
 def test_the_decode_table_reads_each_forward_s_phase_not_its_token_count():
