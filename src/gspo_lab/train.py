@@ -113,9 +113,7 @@ def plan(cfg: DictConfig) -> Plan:
             check_splittable(parts["objective"])
         check_model(model_source, parts["routing"], parts["rollout"], trainer)
         if parts["rollout"].backend == "vllm":
-            vllm_setup.check_temperature("eval.temperature", parts["evaluation"].settings.temperature)
-            vllm_setup.warn_head_precision(parts["rollout"], parts["train"].lm_head_fp32,
-                                            getattr(model_source, "dtype", "float32"))
+            vllm_setup.check_run(parts["rollout"], parts["evaluation"].settings, parts["train"], model_source)
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error
     except (ValueError, FileNotFoundError) as error:

@@ -339,6 +339,10 @@ def test_what_vllm_would_change_silently_is_refused(overrides, message, compose,
         plan(compose(VLLM + overrides + [f"paths.output_dir={tmp_path}"]))
 
 
+def test_an_evaluation_on_the_trainer_samples_at_any_temperature(compose, tmp_path):
+    plan(compose(VLLM + ["eval.temperature=0.001", "eval.n=2", "eval.engine=trainer", f"paths.output_dir={tmp_path}"]))
+
+
 @pytest.mark.parametrize("overrides, warned", [(["train.lm_head_fp32=true", "rollout.vllm.dtype=bfloat16"], True),
                                                (["train.lm_head_fp32=true"], False),  # a float32 engine
                                                (["rollout.vllm.dtype=bfloat16"], False)])

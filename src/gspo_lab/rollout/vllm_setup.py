@@ -94,6 +94,14 @@ def check_temperature(key: str, temperature: float) -> None:
                          f"{temperature}; use {key} >= {MIN_TEMPERATURE} or rollout.backend=hf")
 
 
+def check_run(rollout: RolloutConfig, evaluation, train, model_source) -> None:
+    """What the run's other settings ask of a vLLM engine: evaluation's sampling temperature where the engine
+    evaluates (eval.engine=rollout), and a float32 LM head (`warn_head_precision`)."""
+    if evaluation.engine == "rollout":
+        check_temperature("eval.temperature", evaluation.temperature)
+    warn_head_precision(rollout, train.lm_head_fp32, getattr(model_source, "dtype", "float32"))
+
+
 def warn_head_precision(rollout: RolloutConfig, lm_head_fp32: bool, model_dtype: str) -> bool:
     """train.lm_head_fp32 casts the trainer's LM head; vLLM builds its own model, whose head computes in the
     engine's dtype. Warns (and returns True) where that dtype is not float32: the engine's samples and log-probs
