@@ -448,13 +448,13 @@ class RLModule(RolloutCollection, L.LightningModule):
         training's random state is restored after it. Rank 0 keeps its prompts among the first `eval.samples` of each
         set in samples/step_<step>.jsonl (and a wandb Table)."""
         cuda = [self.device] if self.device.type == "cuda" else []
-        sampler, engine = evaluation_sampler(self.engine, self.model, self.evaluator.settings.engine)
+        sampler, generated_by = evaluation_sampler(self.engine, self.model, self.evaluator.settings.engine)
         with torch.random.fork_rng(devices=cuda):
             metrics, rows = self.evaluator.run(
                 self.model, self.tokenizer, self.global_rank, self.trainer.world_size,
                 reduce_sum=lambda t: self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").cpu(),
                 keep=self.evaluator.settings.samples, sampler=sampler)
-        metrics.update(engine)
+        metrics.update(generated_by)
         if rows and self.global_rank == 0:
             self.write_samples(step, rows)
         return metrics
