@@ -1,0 +1,93 @@
+"""The RL step's numbers are its contract: six short runs, one per part of the step that a change to its structure
+could disturb, write the metrics.csv recorded in tests/golden/step/ (time columns aside).
+
+Recorded with the step as it stood before issue 48 split it into named parts (commit 3412b9d), and kept: a
+change to the step that moves a number fails here, and says which metric moved at which step. On the machine
+and kernels that recorded them (torch and transformers, the CPU capability and thread count, in
+golden/step/recorded.json) the files
+must match byte for byte; elsewhere every value to a relative 1e-4 (a few float32 steps on other kernels).
+
+    GSPO_RECORD_GOLDENS=1 pytest tests/test_step_goldens.py   # write the files anew, after a change meant to move them
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from gspo_lab.rollout import vllm_setup
+from gspo_lab.train import train
+
+GOLDENS = Path(__file__).parent / "golden" / "step"
+RECORDING = os.environ.get("GSPO_RECORD_GOLDENS") == "1"
+
+RUNS = {
+    "gspo": [],
+    "grpo_r2": ["algorithm=grpo_rr"],
+    "dapo_dynamic_sampling": ["algorithm=dapo", "rollout.filter_zero_std_groups=true", "rollout.max_sampling_rounds=3"],
+    "micro_batched": ["train.micro_batch_size=3"],
+    "kl_lora": ["objective.beta=0.04", "model.lora.enabled=true", "model.lora.rank=4"],
+    "bf16_engine": ["rollout.engine.precision=bf16"],
+    # make test-vllm: vLLM's CPU build in .venv-vllm; float32, a head size its CPU kernels take
+    "vllm": ["rollout.backend=vllm", "model.config.head_dim=32"],
+}
+NEEDS_VLLM = [pytest.mark.vllm, pytest.mark.skipif(not vllm_setup.available(), reason=vllm_setup.INSTALL)]
+# a run's own clock: the rest of every row is a function of the seed
+TIMED = ("time/", "throughput/")
+
+
+def machine() -> dict:
+    """What decides whether two recordings may be compared bit for bit."""
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
+def untimed(path: Path) -> list[dict[str, str]]:
+    """metrics.csv's rows without the timing columns."""
+    with open(path, newline="") as file:
+        return [{k: v for k, v in row.items() if not k.startswith(TIMED)} for row in csv.DictReader(file)]
+
+
+def untimed_text(rows: list[dict[str, str]]) -> str:
+    columns = list(rows[0])
+    return "\n".join([",".join(columns), *(",".join(row[c] for c in columns) for row in rows)]) + "\n"
+
+
+def assert_same_numbers(got: list[dict[str, str]], expected: list[dict[str, str]], name: str) -> None:
+    assert len(got) == len(expected), f"{name}: {len(got)} rows, recorded {len(expected)}"
+    for index, (row, want) in enumerate(zip(got, expected)):
+        assert set(row) == set(want), f"{name}, row {index}: columns differ: {sorted(set(row) ^ set(want))}"
+        for key, value in want.items():
+            if value == "" or row[key] == "":
+                assert row[key] == value, f"{name}, row {index}, {key}: {row[key]!r}, recorded {value!r}"
+                continue
+            a, b = float(row[key]), float(value)
+            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) or (math.isnan(a) and math.isnan(b)), \
+                f"{name}, row {index}, {key}: {a}, recorded {b}"
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=NEEDS_VLLM if name == "vllm" else ())
+                                  for name in sorted(RUNS)])
+def test_the_step_writes_the_recorded_metrics(name, compose, fast_rl, tmp_path):
+    run_dir = tmp_path / "run"
+    train(compose(fast_rl + RUNS[name] + [f"paths.output_dir={run_dir}"]))
+    rows = untimed(run_dir / "metrics.csv")
+    golden, machines = GOLDENS / f"{name}.csv", GOLDENS / "recorded.json"
+    recorded = json.loads(machines.read_text()) if machines.is_file() else {}
+    if RECORDING:
+        GOLDENS.mkdir(parents=True, exist_ok=True)
+        golden.write_text(untimed_text(rows))
+        machines.write_text(json.dumps({**recorded, name: machine()}, indent=1, sort_keys=True) + "\n")
+        return
+    if recorded[name] == machine():
+        assert untimed_text(rows) == golden.read_text(), f"{name}: metrics.csv differs from {golden}"
+    else:
+        with open(golden, newline="") as file:
+            assert_same_numbers(rows, list(csv.DictReader(file)), name)
