@@ -39,7 +39,8 @@ from hydra.utils import instantiate
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.models.lora import apply_lora
-from gspo_lab.module import RLModule
+from gspo_lab.step.collector import RolloutCollector
+from gspo_lab.step.updater import Updater
 from gspo_lab.report.run import step_rows
 from gspo_lab.routing import is_moe
 from gspo_lab.train import train
@@ -63,7 +64,7 @@ def matmul_rate(dtype: torch.dtype, device: str, size: int | None = None, second
 
 
 class PhasePeaks:
-    """Peak memory of each call of the RLModule methods it wraps, in MiB: CUDA allocated on a GPU, else the
+    """Peak memory of each call of the RL step's methods it wraps, in MiB: CUDA allocated on a GPU, else the
     process's peak RSS, reset before each call (Linux; elsewhere the peak since start, said in the output)."""
 
     def __init__(self, cuda: bool) -> None:
@@ -159,15 +160,15 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         phases = PhasePeaks(device == "cuda")
-        wrapped = {"rollout": "collect_rollout", "updates": "update"}
-        originals = {name: getattr(RLModule, name) for name in wrapped.values()}
-        for phase, name in wrapped.items():
-            setattr(RLModule, name, phases.wrap(phase, originals[name]))
+        wrapped = {"rollout": (RolloutCollector, "collect"), "updates": (Updater, "update")}
+        originals = {phase: getattr(part, name) for phase, (part, name) in wrapped.items()}
+        for phase, (part, name) in wrapped.items():
+            setattr(part, name, phases.wrap(phase, originals[phase]))
         try:
             train(cfg)
         finally:
-            for name, method in originals.items():
-                setattr(RLModule, name, method)
+            for phase, (part, name) in wrapped.items():
+                setattr(part, name, originals[phase])
         rows = step_rows(out, skip=2)
     median = {k: nan_median(r.get(k, math.nan) for r in rows) for k in
               ("time/generate_s", "time/old_logprobs_s", "time/update_s", "time/rollout_s", "rollout/width",

@@ -433,7 +433,8 @@ def engine_gap(settings: Settings, dtype: str) -> tuple[float, float]:
 
     from gspo_lab import CONFIG_DIR
     from gspo_lab.rollout import token_logprobs
-    from gspo_lab.rollout.generation import draw_row_seeds
+    from gspo_lab.rollout.backend import Sampling
+    from gspo_lab.rollout.sampling import draw_row_seeds
     from gspo_lab.train import build
 
     with tempfile.TemporaryDirectory() as out, initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
@@ -445,8 +446,8 @@ def engine_gap(settings: Settings, dtype: str) -> tuple[float, float]:
     try:
         with run_.trainer.precision_plugin.train_step_context():
             module.engine.sync()
-            done, _ = module.engine.generate(module.tokenizer, prompts, rollout, draw_row_seeds(len(prompts)),
-                                             module.render.add_special_tokens)
+            sampling = Sampling.of_rollout(rollout, module.render.add_special_tokens)
+            done = module.engine.generate(module.tokenizer, prompts, sampling, draw_row_seeds(len(prompts))).completions
     finally:
         module.close()
     ids = torch.cat([done.prompt_ids, done.completion_ids], 1).to(model.device)  # [B, T]

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import DDPStrategy
 
-from gspo_lab.module import across_ranks
+from gspo_lab.step.metrics import across_ranks
 
 
 # dynamic sampling: each rank filters its own groups, and both sample every further round in lockstep

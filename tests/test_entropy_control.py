@@ -72,7 +72,7 @@ def test_the_adaptive_coefficient_moves_every_optimizer_step_and_is_logged(compo
     first = module.history[0]
     # the mean of 0 and 0.01 x the second mini-batch's H̄, which is near the step's
     assert first["loss/entropy_bonus"] == pytest.approx(0.01 * first["entropy"] / 2, rel=0.2)
-    assert module.entropy_control.coef == pytest.approx(0.06) and 0 < module.entropy_control.last_entropy < 100
+    assert module.updater.entropy_control.coef == pytest.approx(0.06) and 0 < module.updater.entropy_control.last_entropy < 100
 
 
 def test_a_resumed_run_goes_on_with_the_same_coefficient(compose, no_cold_start, tmp_path):

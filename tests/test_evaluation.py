@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 
 from gspo_lab.eval_cli import EvalError, check_tokenizer, evaluate_checkpoint, run_config, run_dir_of
 from gspo_lab.eval_metrics import maj_at_k, pass_at_k
-from gspo_lab.eval_sets import build_eval, evaluation_sampler
+from gspo_lab.eval_sets import build_eval, evaluation_backend
 from gspo_lab.evaluation import accuracy
-from gspo_lab.grading.checks import Checker
+from gspo_lab.tasks.checks import Checker
 from gspo_lab.models.builders import load_pretrained
 from gspo_lab.train import ConfigError, plan, train
 from tests.chat_model import save_chat_model
@@ -289,7 +289,7 @@ def test_the_trainers_evaluation_computes_in_the_autocast_dtype(tiny_family):
     bfloat16, not the weights' float32."""
     model, _ = tiny_family("tiny_moe")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, record = evaluation_sampler(None, model, "rollout")
+        _, record = evaluation_backend(None, model, "rollout")
     assert record == {"eval/engine_vllm": 0.0, "eval/engine_mantissa_bits": 7.0}
 
 
@@ -297,7 +297,7 @@ def test_gspo_eval_builds_no_engine_copy_it_would_not_use(evaluated, compose, tm
     """An hf run's evaluation generates on the model itself, so gspo-eval of a run with a quantised bf16 engine
     no longer deep-copies (and quantises) the model for nothing."""
     run, _ = evaluated
-    monkeypatch.setattr("gspo_lab.eval_cli.build_engine", lambda *args: pytest.fail("an engine was built"))
+    monkeypatch.setattr("gspo_lab.eval_cli.build_backend", lambda *args: pytest.fail("an engine was built"))
     overrides = ["rollout.engine.precision=bf16", "rollout.engine.weight_bits=8"]
     assert evaluate_checkpoint(eval_config(compose, run, tmp_path / "eval", overrides))["metrics"]
 

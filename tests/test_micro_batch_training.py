@@ -108,8 +108,14 @@ def test_the_samples_do_not_depend_on_the_generation_batch_size(compose, rl_over
         run, module, _ = build(compose(overrides + [f"rollout.generation_batch_size={size}", "routing.replay=r3",
                                                     "train.minibatches=1", "rollout.temperature=2.0",
                                                     f"paths.output_dir={tmp_path / size}"]))
-        collect, batches[size] = module.collect_rollout, []
-        module.collect_rollout = lambda step, metrics: batches[size].append(collect(step, metrics)) or batches[size][-1]
+        batches[size] = []
+
+        def collect_kept(step, ranks, collect=module.collector.collect, kept=batches[size]):
+            rollout = collect(step, ranks)
+            kept.append(rollout.batch)
+            return rollout
+
+        module.collector.collect = collect_kept
         run.trainer.fit(module)
         histories[size] = [row for row in module.history if "reward/mean" in row]
     for a, b in zip(batches["null"], batches["3"], strict=True):
@@ -176,7 +182,7 @@ def test_the_old_policy_forward_takes_micro_batches_and_gives_the_same_values(re
         rows = []
         hook = decoder_of(module.model).register_forward_pre_hook(
             lambda _, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
-        results[size] = module.old_logprobs(batch)
+        results[size] = module.policy.old_logprobs(batch)
         hook.remove()
         assert rows == ([8] if size == "null" else [3, 3, 2])
     (whole, whole_trace), (parts, parts_trace) = results["null"], results["3"]

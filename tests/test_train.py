@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.cold_start import policy_from_config
-from gspo_lab.module import RLModule
+from gspo_lab.step.updater import Updater
 from gspo_lab.rollout import logprobs
 from gspo_lab.rewards import build_rewards
 from gspo_lab.tasks import HFDataset
@@ -133,8 +133,9 @@ def test_diagnostics_every_k_steps_run_their_forwards_on_those_steps_only(mode, 
     run, module, _ = build(compose(rl_overrides + ["routing.diagnostics_every=2", "train.steps=3",
                                                    "routing.diagnostics_rows=8", f"routing.replay={mode}"]))
     forwards = {"before": 0}
-    mismatch = module.mismatch
-    module.mismatch = lambda batch: forwards.__setitem__("before", forwards["before"] + 1) or mismatch(batch)
+    before_update = module.routing.before_update  # the probe's forward of its own
+    module.routing.before_update = lambda *args: forwards.__setitem__("before", forwards["before"] + 1) or \
+        before_update(*args)
     run.trainer.fit(module)
     steps = [row for row in module.history if "reward/mean" in row]
     assert [("routing/changed_frac" in row) for row in steps] == [True, False, True]
@@ -370,13 +371,13 @@ def test_gradients_are_clipped_to_grad_clip_with_the_fused_optimizer(precision, 
 
 @pytest.mark.parametrize("norm", [0.5, 0.999999, 1.0, 1.0000005, 2.0, 1e30])
 def test_gradients_are_scaled_exactly_when_torch_would_scale_them_by_less_than_1(norm):
-    """RLModule.clips skips clip_grads_with_norm_ only where torch would multiply by exactly 1: its factor is
+    """Updater.clips skips clip_grads_with_norm_ only where torch would multiply by exactly 1: its factor is
     min(1, clip / (norm + 1e-6)), so a norm just below the clip (within 1e-6) is scaled too."""
     for dtype in (torch.float32, torch.float64):
         grad_norm = torch.tensor(norm, dtype=dtype)
         factor = torch.clamp(1.0 / (grad_norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grads_with_norm_'s own
-        assert RLModule.clips(SimpleNamespace(train_cfg=SimpleNamespace(grad_clip=1.0)), grad_norm) == bool(factor < 1)
-    assert RLModule.clips(SimpleNamespace(train_cfg=SimpleNamespace(grad_clip=0.0)), grad_norm) is False  # no clipping
+        assert Updater.clips(SimpleNamespace(train_cfg=SimpleNamespace(grad_clip=1.0)), grad_norm) == bool(factor < 1)
+    assert Updater.clips(SimpleNamespace(train_cfg=SimpleNamespace(grad_clip=0.0)), grad_norm) is False  # no clipping
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -64,9 +64,6 @@ class EngineConfig:
         return not (self.copies_weights or self.router_noise)
 
 
-BACKENDS = ("hf", "vllm")  # rollout.backend
-
-
 @dataclass
 class VLLMConfig:
     """vLLM's settings for rollout.backend=vllm (gspo_lab.rollout.vllm_engine); the rest is vLLM's defaults.
@@ -114,8 +111,9 @@ class RolloutConfig:
         temperature: sampling temperature, applied identically when log-probs are computed.
         top_p: nucleus sampling threshold (1 disables it).
         mask_truncated: leave truncated completions out of the loss.
-        backend: what generates: "hf" (transformers' `generate` on the trainer's weights, through `engine`) or
-            "vllm" (vLLM in this process, the trainer's weights pushed after every update; `vllm`).
+        backend: what generates (gspo_lab.rollout.backend): "hf" (transformers' `generate` on the trainer's
+            weights, through `engine`), "vllm" (vLLM in this process, the trainer's weights pushed after every
+            update; `vllm`), "replay" (completions recorded in a file), or a backend of your own.
         logprobs_from_generation: take old log-probs from the engine's own instead of a no-grad trainer forward
             (r2 routing replay needs the forward); null: true where the engine is the trainer itself (hf with
             `engine` at its defaults: exact), false otherwise (a simulated engine of rollout.engine.*, and vllm:
@@ -136,6 +134,7 @@ class RolloutConfig:
             under engine.router_noise, whose noise is drawn for each call's rows together.
         engine: how the hf engine differs from the trainer (`EngineConfig`; the default: not at all).
         vllm: vLLM's settings (`VLLMConfig`), for backend=vllm.
+        options: the settings of any other backend, which its class checks (`RolloutBackend.check`).
     """
 
     prompts_per_step: int = 16
@@ -154,9 +153,11 @@ class RolloutConfig:
     generation_batch_size: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _require(self.backend in BACKENDS, "rollout.backend", self.backend, f"must be one of {list(BACKENDS)}")
+        _require(isinstance(self.backend, str), "rollout.backend", self.backend,
+                 "must name a backend (gspo_lab.rollout.backend.BACKENDS)")
         if self.logprobs_from_generation is None:
             self.logprobs_from_generation = self.backend == "hf" and self.engine.is_trainer
         _require(isinstance(self.logprobs_from_generation, bool), "rollout.logprobs_from_generation",

@@ -33,14 +33,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
 from gspo_lab import CONFIG_DIR
-from gspo_lab.eval_sets import build_eval, evaluation_sampler, load_option
+from gspo_lab.eval_sets import build_eval, evaluation_backend, load_option
 from gspo_lab.evaluation import write_jsonl
 from gspo_lab.export import policy_of_checkpoint
 from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import load_pretrained
 from gspo_lab.report.summary import eval_engine
-from gspo_lab.rollout import vllm_setup
-from gspo_lab.rollout.engine import build_engine
+from gspo_lab.rollout.backend import RolloutBackend, backend_class, build_backend
 
 log = logging.getLogger(__name__)
 TOOL_KEYS = ("checkpoint", "tokenizer", "progress")  # gspo-eval's own keys (conf/gspo_eval.yaml)
@@ -125,15 +124,20 @@ def check_tokenizer(model, tokenizer, checkpoint: str, source: str) -> None:
                         f"{len(tokenizer)} tokens {too_big or ''} and the model embeds {rows} rows")
 
 
-def rollout_engine(cfg: DictConfig, model):
-    """The run's rollout engine (rollout.backend=vllm), which evaluation generates with, as in training."""
+def rollout_backend(cfg: DictConfig, model, setting: str) -> RolloutBackend | None:
+    """The run's rollout backend where evaluation generates through it (eval.engine=rollout and a backend that
+    serves evaluations: vLLM's), as in training; None where transformers evaluates the model itself."""
     try:
         rollout = instantiate(cfg.rollout)
+        serves = backend_class(rollout.backend).serves_evaluation
     except Exception as error:  # noqa: BLE001 - Hydra wraps the dataclass's ValueError
         raise EvalError(str(error.__cause__ or error)) from None
-    if rollout.backend == "vllm" and not vllm_setup.available():
-        raise EvalError(f"{vllm_setup.INSTALL}; or evaluate with transformers: rollout.backend=hf")
-    return build_engine(model, rollout)
+    if setting != "rollout" or not serves:
+        return None
+    try:
+        return build_backend(model, rollout)
+    except ValueError as error:  # not installed here
+        raise EvalError(f"{error}; or evaluate with transformers: rollout.backend=hf") from None
 
 
 def evaluate_checkpoint(cfg: DictConfig) -> dict:
@@ -160,14 +164,13 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
     except ValueError as error:
         raise EvalError(str(error)) from error
     evaluator = plan.evaluator(tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.get("stop_token_ids") or [], cfg.seed)
-    # an engine only where it generates: vLLM's; an hf engine (maybe a quantised copy) evaluates on the model itself
-    on_vllm = evaluator.settings.engine == "rollout" and cfg.rollout.backend == "vllm"
-    engine = rollout_engine(cfg, model) if on_vllm else None
+    # a backend only where it generates: vLLM's; an hf engine (maybe a quantised copy) evaluates on the model itself
+    engine = rollout_backend(cfg, model, evaluator.settings.engine)
     total = sum(len(s.examples) * (evaluator.settings.greedy + evaluator.settings.n) for s in evaluator.sets)
     try:
-        sampler, generated_by = evaluation_sampler(engine, model, evaluator.settings.engine)
+        backend, generated_by = evaluation_backend(engine, model, evaluator.settings.engine)
         with tqdm(total=total, unit="completion", disable=not cfg.get("progress", True), file=sys.stderr) as bar:
-            metrics, rows = evaluator.run(model, tokenizer, progress=bar.update, sampler=sampler)
+            metrics, rows = evaluator.run(model, tokenizer, progress=bar.update, backend=backend)
     finally:
         plan.close()
         if engine is not None:

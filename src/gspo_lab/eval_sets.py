@@ -14,24 +14,26 @@ is one whole, a mapping without one changes keys of the run's. `size` keeps the 
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gspo_lab import CONFIG_DIR
-from gspo_lab.evaluation import HELDOUT, EvalSet, EvalSettings, Evaluator
+from gspo_lab.config import RolloutConfig
+from gspo_lab.evaluation import HELDOUT, EvalSet, EvalSettings, Evaluator, write_jsonl
 from gspo_lab.grading import GradingPool
 from gspo_lab.models.builders import check_context, fit_task
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.report.summary import eval_engine_columns
 from gspo_lab.rewards import WeightedRewards, build_rewards
-from gspo_lab.rollout.generation import generate
+from gspo_lab.rollout.backend import RolloutBackend
+from gspo_lab.rollout.engine import RolloutEngine
 from gspo_lab.tasks.base import Task
 
 SET_KEYS = ("task", "prompt", "reward", "size")
@@ -162,14 +164,29 @@ def load_option(group: str, name: str, where: str = "eval.sets") -> DictConfig:
     return merged
 
 
-def evaluation_sampler(engine, model: torch.nn.Module, setting: str) -> tuple[Callable, dict[str, float]]:
+def evaluation_backend(engine: RolloutBackend | None, model: torch.nn.Module, setting: str
+                       ) -> tuple[RolloutBackend, dict[str, float]]:
     """What an evaluation generates with under eval.engine=`setting`, and its record in metrics.csv
-    (eval_engine_columns). "rollout": an engine that serves evaluations (vLLM's `eval_sampler`, synced now);
-    "trainer", or an hf engine: transformers' `generate` on `model`, never an engine copy, in the dtype the
-    trainer computes in (autocast's where trainer.precision turns it on)."""
-    if setting == "rollout" and hasattr(engine, "eval_sampler"):
-        return engine.eval_sampler(), eval_engine_columns(True, engine.dtype)
+    (eval_engine_columns). "rollout": the run's backend where it serves evaluations (vLLM's), synced now;
+    "trainer", or a backend that does not (hf): transformers' `generate` on `model`, never an engine copy, in the
+    dtype the trainer computes in (autocast's where trainer.precision turns it on)."""
+    if setting == "rollout" and engine is not None and engine.serves_evaluation:
+        engine.sync()
+        return engine, eval_engine_columns(engine.name == "vllm", engine.dtype)
     weight = next(model.parameters())
     device = weight.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    return functools.partial(generate, model), eval_engine_columns(False, str(dtype).removeprefix("torch."))
+    return RolloutEngine(model, RolloutConfig()), eval_engine_columns(False, str(dtype).removeprefix("torch."))
+
+
+def write_samples(folder: Path, step: int, rows: list[dict[str, Any]], loggers: list) -> None:
+    """An evaluation's sample rows as <folder>/step_<step>.jsonl, and one wandb Table per set when the wandb
+    logger is among `loggers`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(folder / f"step_{step}.jsonl", rows)
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            columns = ["set", "index", "prompt", "reference", "mode", "sample", "completion", "answer", "correct"]
+            for name in dict.fromkeys(row["set"] for row in rows):
+                data = [[row[c] for c in columns] for row in rows if row["set"] == name]
+                logger.log_table(key=f"samples/{name}", columns=columns, data=data, step=step)

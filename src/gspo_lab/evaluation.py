@@ -21,7 +21,6 @@ the training's random state is left as it was.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -34,15 +33,18 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gspo_lab.config import RolloutConfig
 from gspo_lab.eval_metrics import maj_at_k, pass_at_k
 from gspo_lab.grading import GradingPool
-from gspo_lab.grading.checks import Checker, grade
 from gspo_lab.prompts import Renderer
 from gspo_lab.rewards import WeightedRewards
-from gspo_lab.rollout.collection import reward_inputs
-from gspo_lab.rollout.generation import Completions, generate
+from gspo_lab.rollout.backend import RolloutBackend, Sampling
+from gspo_lab.rollout.completions import reward_inputs
+from gspo_lab.rollout.engine import RolloutEngine
+from gspo_lab.rollout.generation import generate
 from gspo_lab.seeding import stream_seed
 from gspo_lab.tasks.base import Example, Task
+from gspo_lab.tasks.checks import Checker, grade
 
 EVAL_SAMPLING = "eval_sampling"
 HELDOUT = "heldout"
@@ -205,15 +207,15 @@ class Evaluator:
     def run(self, model, tokenizer, rank: int = 0, world: int = 1,
             reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, keep: int | None = None,
             progress: Callable[[int], None] | None = None,
-            sampler: Callable[..., Completions] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+            backend: RolloutBackend | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Metrics of every set (and eval/accuracy, the heldout set's greedy accuracy) and the sample rows of the
         first `keep` prompts of each (all: None) on this rank.
         Every rank scores the prompts rank, rank + world, ...; with several ranks each share is padded (with a
         repeat of a prompt, left out of every count and row) to the largest share, so every rank makes the same
         generate calls, as a sharded model's collectives need, and reduces the same keys. `progress(n)` is told
-        of each n completions. `sampler` generates (`generate`'s contract without the model; the rollout engine's
-        `eval_sampler()`); default: `generate` on `model`."""
-        sample = sampler or functools.partial(generate, model)
+        of each n completions. `backend` generates (gspo_lab.rollout.backend; eval_sets.evaluation_backend picks
+        it); default: transformers' `generate` on `model` (the hf backend on the model itself)."""
+        backend = backend or RolloutEngine(model, RolloutConfig())
         metrics: dict[str, float] = {}
         rows: list[dict[str, Any]] = []
         started = time.perf_counter()
@@ -225,9 +227,9 @@ class Evaluator:
             padded = examples + [eval_set.examples[0]] * (share - len(examples)) if world > 1 else examples
             numbers = indices + [0] * (len(padded) - len(examples))  # each padded prompt's index in the set
             n = self.settings.n
-            greedy = self._decode(sample, tokenizer, eval_set, padded, numbers, 1, True, progress) \
+            greedy = self._decode(backend, tokenizer, eval_set, padded, numbers, 1, True, progress) \
                 if self.settings.greedy else None
-            sampled = self._decode(sample, tokenizer, eval_set, padded, numbers, n, False, progress) if n else None
+            sampled = self._decode(backend, tokenizer, eval_set, padded, numbers, n, False, progress) if n else None
             greedy = greedy.first(len(examples)) if greedy is not None else None
             sampled = sampled.first(len(examples) * n) if sampled is not None else None
             sums = self._sums(eval_set, greedy, sampled, len(examples))
@@ -248,7 +250,7 @@ class Evaluator:
         metrics["time/eval_s"] = time.perf_counter() - started
         return metrics, rows
 
-    def _decode(self, sample, tokenizer, eval_set: EvalSet, examples: list[Example], numbers: list[int], n: int,
+    def _decode(self, backend: RolloutBackend, tokenizer, eval_set: EvalSet, examples: list[Example], numbers: list[int], n: int,
                 greedy: bool, progress) -> Decoded:
         """n completions of each example (one when `greedy`), batch_size completions per `generate` call; sample j
         of the set's prompt i (`numbers`: each example's i) is seeded from (seed, set, j, i)."""
@@ -259,10 +261,10 @@ class Evaluator:
             seeds = None if greedy else torch.tensor(
                 [stream_seed(self.seed, f"{EVAL_SAMPLING}/{eval_set.name}/{j}", i)
                  for i in numbers[start : start + per_batch] for j in range(n)], dtype=torch.int64)
-            out = sample(tokenizer, eval_set.render.texts(chunk), self.max_new_tokens,
-                           temperature=self.settings.temperature, top_p=self.settings.top_p, greedy=greedy,
-                           share_prompts=n > 1, stop_token_ids=self.stop_token_ids,
-                           add_special_tokens=eval_set.render.add_special_tokens, row_seeds=seeds)
+            sampling = Sampling(self.max_new_tokens, self.settings.temperature, self.settings.top_p, greedy=greedy,
+                                stop_token_ids=tuple(self.stop_token_ids), share_prompts=n > 1, logprobs=False,
+                                add_special_tokens=eval_set.render.add_special_tokens)
+            out = backend.generate(tokenizer, eval_set.render.texts(chunk), sampling, seeds).completions
             decoded.texts += out.texts
             decoded.lengths += out.completion_mask.sum(-1).tolist()
             # answers are extracted only for maj@k, which sampling with some k reports
@@ -338,3 +340,5 @@ class Evaluator:
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     """Sample rows as JSON lines (samples/step_<k>.jsonl of a run, gspo-eval's samples.jsonl)."""
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+

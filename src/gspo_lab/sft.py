@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from gspo_lab.evaluation import accuracy
 from gspo_lab.grading import GradingPool
-from gspo_lab.grading.checks import Checker
+from gspo_lab.tasks.checks import Checker
 from gspo_lab.prompts import Renderer
 from gspo_lab.seeding import SFT_DEMONSTRATIONS, stream_seed
 from gspo_lab.tasks.base import Task

@@ -1,5 +1,5 @@
-"""Tensor numerics shared by the objectives, the rollout and evaluation: masked means, the k3 KL estimator and
-groups of rewards. Below all of them, so that none imports another for these.
+"""Tensor numerics shared by the objectives, the rollout and evaluation: masked means, the k3 KL estimator,
+groups of rewards and row slices. Below all of them, so that none imports another for these.
 
 >>> zero_std_groups(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.5]), group_size=2)
 tensor([False,  True,  True])
@@ -52,3 +52,13 @@ def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
 def frac_zero_std(rewards: Tensor, group_size: int) -> Tensor:
     """Fraction of groups whose rewards are all equal (their advantages are all zero)."""
     return zero_std_groups(rewards, group_size).float().mean()
+
+
+def micro_slices(rows: int, size: int | None) -> list[slice]:
+    """Row slices of at most `size` rows (None: one slice of all).
+
+    >>> micro_slices(5, 2), micro_slices(4, None)
+    ([slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)], [slice(0, 4, None)])
+    """
+    size = rows if size is None else size
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)] or [slice(0, 0)]

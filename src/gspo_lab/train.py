@@ -43,7 +43,7 @@ from gspo_lab.objectives.micro_batches import check_splittable
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
 from gspo_lab.rewards import build_rewards, math_accuracy, unwrapped
-from gspo_lab.rollout import vllm_setup
+from gspo_lab.rollout.backend import RunSettings, backend_class
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.sharding import full_state_dict, is_sharded
 from gspo_lab.tasks import HFDataset
@@ -111,9 +111,11 @@ def plan(cfg: DictConfig) -> Plan:
                                   str(trainer.precision))
         if parts["train"].micro_batch_size is not None:
             check_splittable(parts["objective"])
-        check_model(model_source, parts["routing"], parts["rollout"], trainer)
-        if parts["rollout"].backend == "vllm":
-            vllm_setup.check_run(parts["rollout"], parts["evaluation"].settings, parts["train"], model_source)
+        check_model(model_source, parts["routing"], trainer)
+        backend_class(parts["rollout"].backend).check(RunSettings(
+            parts["rollout"], parts["train"], parts["routing"], parts["evaluation"].settings, model_source,
+            "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
+            isinstance(trainer.strategy, ModelParallelStrategy), trainer.num_nodes))
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error
     except (ValueError, FileNotFoundError) as error:
@@ -199,25 +201,15 @@ def warn_inexact_old_logprobs(from_generation: bool, device: str, precision: str
     return True
 
 
-def check_model(model_source, routing, rollout, trainer: L.Trainer) -> None:
+def check_model(model_source, routing, trainer: L.Trainer) -> None:
     """What the model and the strategy must support, checked on the architecture alone (`skeleton()`, on the
-    meta device) before the cold start or any weights: routing replay needs an MoE with a routing adapter,
-    trainer=fsdp (sharded weights) takes neither LoRA nor an engine copy of the weights, and rollout.backend=vllm
-    what vLLM serves here (`vllm_setup.check`)."""
+    meta device) before the cold start or any weights: routing replay needs an MoE with a routing adapter, and
+    trainer=fsdp (sharded weights) takes no LoRA. The rollout backend checks its own (`RolloutBackend.check`)."""
     if routing.replay != "off":
         find_routers(model_source.skeleton(), f"routing.replay={routing.replay}")  # raises for dense / unsupported
-    if rollout.backend == "vllm":
-        device = "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
-        vllm_setup.check(rollout, model_source.skeleton(), routing.replay, device,
-                          isinstance(trainer.strategy, ModelParallelStrategy), model_source.lora.enabled,
-                          trainer.num_nodes)
-    if isinstance(trainer.strategy, ModelParallelStrategy):
-        if model_source.lora.enabled:
-            raise ValueError("model.lora.enabled=true is not supported with trainer=fsdp (untested); use "
-                             "trainer=ddp or full training")
-        if rollout.engine.copies_weights:
-            raise ValueError("rollout.engine.precision / weight_bits: an engine copy of the weights is not supported "
-                             "with trainer=fsdp (sharded weights); use trainer=ddp or the default engine")
+    if isinstance(trainer.strategy, ModelParallelStrategy) and model_source.lora.enabled:
+        raise ValueError("model.lora.enabled=true is not supported with trainer=fsdp (untested); use "
+                         "trainer=ddp or full training")
 
 
 def resolve_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:
@@ -274,7 +266,7 @@ def algorithm_label(objective: str, replay: str, shuffle_rewards: bool, correcti
 def train(cfg: DictConfig) -> dict:
     """Run one RL experiment; returns its summary (also written to summary.json in the run dir)."""
     run, module, cold_start = build(cfg)
-    trainer, tokenizer = run.trainer, module.tokenizer
+    trainer = run.trainer
     algorithm = algorithm_label(run.objective.name, run.routing.replay, run.train.shuffle_rewards,
                                 run.objective.rollout_correction)
     if trainer.is_global_zero:

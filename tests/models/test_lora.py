@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from peft import PeftModel
 
 from gspo_lab.cold_start import policy_from_config
-from gspo_lab.config import EngineConfig
+from gspo_lab.config import EngineConfig, RolloutConfig
 from gspo_lab.models.lora import LAYER_INDEX, LoraSettings, apply_lora, target_parameters
 from gspo_lab.rollout import generate, token_logprobs
 from gspo_lab.rollout.engine import RolloutEngine, fake_quantise
@@ -104,7 +104,7 @@ def test_replay_through_the_wrapper_keeps_the_recorded_experts_and_trains_the_ga
 def test_an_engine_copy_follows_the_adapters_and_quantises_only_the_base(tiny_family):
     model, tokenizer = tiny_family("tiny_moe")
     policy = apply_lora(model, LoraSettings(enabled=True, rank=4, experts=True))
-    engine = RolloutEngine(policy.model, EngineConfig(precision="bf16", weight_bits=8))
+    engine = RolloutEngine(policy.model, RolloutConfig(engine=EngineConfig(precision="bf16", weight_bits=8)))
     move_adapters(policy.model)  # an update of the trainer's adapters, after the engine was built
     engine.sync()
     adapters = 0

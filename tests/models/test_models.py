@@ -13,7 +13,9 @@ from transformers import AutoTokenizer, LogitsProcessorList, SuppressTokensLogit
 from gspo_lab import CONFIG_DIR
 from gspo_lab.models import PretrainedModel, TinyModel, char_tokenizer
 from gspo_lab.rollout import generate, token_logprobs
-from gspo_lab.rollout.generation import RowSampler, sampling_config, stop_ids
+from gspo_lab.rollout.completions import stop_ids
+from gspo_lab.rollout.generation import sampling_config
+from gspo_lab.rollout.sampling import RowSampler
 from gspo_lab.routing import is_moe
 from gspo_lab.routing.adapters import find_routers
 

@@ -441,10 +441,10 @@ def test_each_reward_function_s_rewards_reach_the_estimator_with_their_completio
     cfg = compose(rl_overrides + ["advantage=gdpo", "reward=dapo_overlong", "reward.functions.1.weight=0.5",
                                   "train.steps=1", f"train.shuffle_rewards={shuffled}"])
     run, module, _ = build(cfg)
-    assert isinstance(module.advantage, GDPO)
-    module.advantage = Recording(module.advantage)
+    assert isinstance(module.collector.advantage, GDPO)
+    module.collector.advantage = Recording(module.collector.advantage)
     run.trainer.fit(module)
-    (rewards, inputs), = module.advantage.calls
+    (rewards, inputs), = module.collector.advantage.calls
     components, weights, token_counts = inputs["components"], inputs["weights"], inputs["token_counts"]
     assert components.shape == (16, 2) and weights.tolist() == [1.0, 0.5]
     assert torch.equal((components * weights).nansum(-1), rewards)
@@ -460,9 +460,9 @@ def test_an_unscorable_completion_reaches_the_estimator_as_nan(compose, rl_overr
     cfg = compose(rl_overrides + ["advantage=rloo", "train.steps=1",
                                   "reward.functions=[{_target_:tests.rewards.user_rewards.even_length}]"])
     run, module, _ = build(cfg)
-    module.advantage = Recording(module.advantage)
+    module.collector.advantage = Recording(module.collector.advantage)
     run.trainer.fit(module)
-    (rewards, inputs), = module.advantage.calls
+    (rewards, inputs), = module.collector.advantage.calls
     lengths = inputs["token_counts"]
     assert 0 < (lengths % 2).sum() < len(lengths)  # both kinds in the batch
     assert torch.equal(rewards.isnan(), lengths % 2 == 1)

@@ -20,7 +20,9 @@ from hydra.utils import instantiate
 from gspo_lab import CONFIG_DIR
 from gspo_lab.objectives import GRPO, GSPO
 from gspo_lab.objectives.entropy import EntropyCoefficient
-from gspo_lab.objectives.micro_batches import combine, denominator, micro_slices, weighted_loss
+from gspo_lab.objectives.micro_batches import denominator, weighted_loss
+from gspo_lab.step.metrics import combine_micro_batches
+from gspo_lab.tensors import micro_slices
 from gspo_lab.train import ConfigError, plan
 
 # the objectives with TRL loss types: objective -> (loss_type, importance_sampling_level, epsilon_low, epsilon_high)
@@ -208,7 +210,7 @@ def accumulated(objective, inputs: dict, size: int | None, weigh=weighted_loss):
         mask = micro["mask"]
         parts.append(({k: v.item() for k, v in out.metrics.items()}, mask.sum().item(),
                       mask.bool().any(-1).sum().item(), share.item()))
-    return torch.cat([logp.grad, inputs["entropy"].grad]), combine(objective, parts)
+    return torch.cat([logp.grad, inputs["entropy"].grad]), combine_micro_batches(objective, parts)
 
 
 # every conf/objective but Clip-Cov and KL-Cov, which the plan refuses with micro-batches (a whole-batch selection)

@@ -11,7 +11,9 @@ import torch
 from hydra.utils import instantiate
 
 from gspo_lab import CONFIG_DIR
-from gspo_lab.objectives.micro_batches import combine, denominator, micro_slices
+from gspo_lab.objectives.micro_batches import denominator
+from gspo_lab.step.metrics import combine_micro_batches
+from gspo_lab.tensors import micro_slices
 
 # Clip-Cov and KL-Cov select tokens over the whole mini-batch: the plan refuses micro-batches with them (checked
 # in test_verl_policy_losses.py; the last test here shows why)
@@ -49,7 +51,7 @@ def accumulated(objective, inputs: dict, size: int | None):
         mask = micro["mask"]
         parts.append(({k: v.item() for k, v in out.metrics.items()}, mask.sum().item(),
                       mask.bool().any(-1).sum().item(), share))
-    return logp.grad.clone(), combine(objective, parts)
+    return logp.grad.clone(), combine_micro_batches(objective, parts)
 
 
 # the off-policy mask, the lower bound and the KL bias correction with them (is/ess is rebuilt, not averaged)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gspo_lab.rollout import Completions, PromptSchedule
-from gspo_lab.rollout.collection import sample_metrics
+from gspo_lab.step.collector import sample_metrics
 from gspo_lab.rollout.dynamic_sampling import SampledRound, merge_rounds
 from gspo_lab.routing.trace import RoutingTrace
 from gspo_lab.tasks.arithmetic import Arithmetic

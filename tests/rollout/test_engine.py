@@ -15,10 +15,10 @@ from gspo_lab import CONFIG_DIR
 from gspo_lab.config import EngineConfig, RolloutConfig, VLLMConfig
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import generate, token_logprobs
-from gspo_lab.rollout.collection import engine_mismatch
 from gspo_lab.rollout import vllm_setup
 from gspo_lab.rollout.engine import RolloutEngine
 from gspo_lab.routing import is_moe, record_routing, replay_routing
+from gspo_lab.step.probe import engine_mismatch
 from gspo_lab.train import ConfigError, build, plan
 from tests.numerics import RATIO_ROUNDING, rounding_tolerance
 
@@ -50,7 +50,7 @@ KEPT = re.compile(r"(bias|norm\.weight|embed_tokens\.weight|lm_head\.weight|\.(g
 @pytest.mark.parametrize("family", FAMILIES)
 def test_weight_bits_quantises_each_output_channel_of_projections_and_experts_only(family, tiny_family):
     model, _ = tiny_family(family)
-    engine = RolloutEngine(model, EngineConfig(weight_bits=8))  # fp32 weights: the grid is not rounded again
+    engine = RolloutEngine(model, RolloutConfig(engine=EngineConfig(weight_bits=8)))  # fp32 weights: the grid is not rounded again
     expert_banks = 0
     for (name, weight), served in zip(model.named_parameters(), engine.model.parameters()):
         weight = weight.detach()
@@ -86,7 +86,7 @@ def test_an_fp16_engine_is_the_trainer_cast_and_mismatches_it_less_than_bf16(fam
         trainer, _ = token_logprobs(model, ids, mask, C)
     difference = {}
     for precision, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
-        engine = RolloutEngine(model, EngineConfig(precision=precision))
+        engine = RolloutEngine(model, RolloutConfig(engine=EngineConfig(precision=precision)))
         for mine, theirs in zip(engine.model.parameters(), model.parameters()):
             assert torch.equal(mine, theirs.to(dtype))
         with torch.no_grad(), (replay_routing(engine.model, trace) if trace is not None else nullcontext()):
@@ -97,8 +97,8 @@ def test_an_fp16_engine_is_the_trainer_cast_and_mismatches_it_less_than_bf16(fam
 
 def test_the_default_engine_is_the_trainer_and_a_bf16_engine_follows_its_updates():
     model, _ = TinyModel(arch="qwen3_moe", config=TINY_MOE).load()
-    assert RolloutEngine(model, EngineConfig()).model is model  # no copy, nothing to sync
-    engine = RolloutEngine(model, EngineConfig(precision="bf16"))
+    assert RolloutEngine(model, RolloutConfig(engine=EngineConfig())).model is model  # no copy, nothing to sync
+    engine = RolloutEngine(model, RolloutConfig(engine=EngineConfig(precision="bf16")))
     assert engine.model is not model and next(engine.model.parameters()).dtype == torch.bfloat16
     with torch.no_grad():
         for parameter in model.parameters():
@@ -139,22 +139,25 @@ def test_without_replay_the_first_minibatchs_forwards_measure_what_a_forward_of_
                                                    "train.micro_batch_size=4", "train.steps=1",
                                                    "routing.diagnostics_rows=8"]))  # the 8-row first mini-batch
     own: list[dict[str, float]] = []
-    accumulate = module.accumulate
-    module.mismatch = lambda batch: pytest.fail("a forward of its own ran")
+    accumulate, own_forward = module.updater.accumulate, module.probe.own_forward
 
-    def measured_first(minibatch, before=None):
+    def no_forward_of_its_own(batch, step):
+        assert own_forward(batch, step) == {}, "a forward of its own ran"
+        return {}
+
+    def measured_first(minibatch, ranks, step, before=None):
         if not own:  # the first mini-batch, weights as at generation: a forward of its own first
-            train_logp, metrics = module.routing.before_update(minibatch, module.shared_logprobs)
+            train_logp, metrics = module.routing.before_update(minibatch, module.policy.shared_logprobs)
             own.append({**metrics, **engine_mismatch(minibatch, train_logp)})
-        return accumulate(minibatch, before)
+        return accumulate(minibatch, ranks, step, before)
 
-    module.accumulate = measured_first
+    module.probe.own_forward, module.updater.accumulate = no_forward_of_its_own, measured_first
     run.trainer.fit(module)
     step = module.history[0]
     sixteen_rows = SimpleNamespace(rewards=torch.zeros(16))  # 2 mini-batches of 8
-    assert module.measured_in_update(sixteen_rows)
+    assert module.probe.in_update(sixteen_rows)
     module.routing.diagnostics_rows = 9  # more rows than the first mini-batch holds: a forward of their own
-    assert not module.measured_in_update(sixteen_rows)
+    assert not module.probe.in_update(sixteen_rows)
     assert len(own) == 1 and own[0]["mismatch/kl"] > 1e-6 and own[0]["routing/rollout_disagreement"] > 0.01
     for key, value in own[0].items():
         # the same operations on the same rows, with and without autograd: equal to float rounding
@@ -198,7 +201,7 @@ def test_the_engine_multiplies_in_its_own_precision_under_every_trainer_precisio
     trainer_model = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         trainer_model.weight.fill_(1 + 2**-10)
-    engine = RolloutEngine(trainer_model, EngineConfig(precision=precision))
+    engine = RolloutEngine(trainer_model, RolloutConfig(engine=EngineConfig(precision=precision)))
     x = torch.ones(1, 1, dtype=dtype)  # [1, 1]: the engine's activations are in its dtype (its embeddings')
     with trainer_precision_context(trainer_precision), engine.generating():
         out = engine.model(x)  # [1, 1]
@@ -212,7 +215,7 @@ def test_an_fp16_engine_generates_and_caches_in_float16_under_mixed_precision(ti
     """The same seeds give the same completions and engine log-probs under every trainer precision, and every
     key and value the engine caches is float16 (under bf16 autocast they became float32)."""
     model, tokenizer = tiny_family("tiny_dense")
-    engine = RolloutEngine(model, EngineConfig(precision="fp16"))
+    engine = RolloutEngine(model, RolloutConfig(engine=EngineConfig(precision="fp16")))
     seeds = torch.arange(len(PROMPTS))
     cached: set[torch.dtype] = set()
 
@@ -229,13 +232,14 @@ def test_an_fp16_engine_generates_and_caches_in_float16_under_mixed_precision(ti
     assert torch.equal(outs["32-true"].logprobs, outs[trainer_precision].logprobs)
 
 
-def test_the_backend_setting_and_its_old_logprobs_default():
-    """hf takes π_old from its engine, which is the trainer (exact); vllm from a trainer forward, as TRL and verl."""
+def test_the_backend_setting_and_its_old_logprobs_default(compose, tmp_path):
+    """hf takes π_old from its engine, which is the trainer (exact); vllm (any other backend) from a trainer
+    forward, as TRL and verl. A backend no registry line names is refused at plan time."""
     assert RolloutConfig().logprobs_from_generation is True
     assert RolloutConfig(backend="vllm").logprobs_from_generation is False
     assert RolloutConfig(backend="vllm", logprobs_from_generation=True).logprobs_from_generation is True
-    with pytest.raises(ValueError, match=r"rollout.backend='sglang' is invalid: must be one of \['hf', 'vllm'\]"):
-        RolloutConfig(backend="sglang")
+    with pytest.raises(ConfigError, match=r"rollout.backend='sglang' is invalid: must be one of \['hf', 'vllm', 'replay'\]"):
+        plan(compose(["rollout.backend=sglang", f"paths.output_dir={tmp_path}"]))
     with pytest.raises(ValueError, match=r"rollout.vllm.gpu_memory_utilization=1.5 is invalid"):
         VLLMConfig(gpu_memory_utilization=1.5)
 

@@ -9,8 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gspo_lab.decoder import CACHE
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import PromptSchedule, generate, token_logprobs
-from gspo_lab.rollout import generation
-from gspo_lab.rollout.generation import RowSampler, StepLogprobs, inverse_cdf, position_ids
+from gspo_lab.rollout import sampling
+from gspo_lab.rollout.generation import StepLogprobs, position_ids
+from gspo_lab.rollout.sampling import RowSampler, inverse_cdf
 from gspo_lab.tasks import Arithmetic
 from tests.numerics import assert_rounding_close, logit_scale
 
@@ -135,7 +136,7 @@ def test_a_vocabulary_within_one_block_draws_what_the_two_level_search_draws(voc
     columns += [torch.zeros(64, dtype=torch.float64), torch.full((64,), 1 - 2**-53, dtype=torch.float64),
                 cdf[:, vocab // 2] / cdf[:, -1]]
     for u in columns:
-        assert torch.equal(inverse_cdf(probs, u), generation._two_levels(probs, u, vocab)[0])
+        assert torch.equal(inverse_cdf(probs, u), sampling._two_levels(probs, u, vocab)[0])
     with pytest.raises(ValueError, match=r"rows \[1\] have no finite positive probability mass"):
         inverse_cdf(torch.stack([probs[0], torch.zeros(vocab)]), torch.zeros(2))
 

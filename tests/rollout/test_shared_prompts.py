@@ -17,7 +17,7 @@ from transformers.utils import logging as transformers_logging
 
 from gspo_lab.decoder import decoder_of
 from gspo_lab.models.builders import checkpoint_blocks
-from gspo_lab.module import RLModule
+from gspo_lab.step.policy import PolicyForwards
 from gspo_lab.rollout import RolloutBatch, generate, logprobs, token_logprobs
 from gspo_lab.routing import RoutingTrace, record_routing, replay_routing
 from gspo_lab.routing.adapters import find_routers
@@ -202,9 +202,9 @@ def test_replay_allows_sharing_only_where_a_prompts_rows_agree():
     batch = RolloutBatch(ids, torch.ones_like(ids), torch.ones(3, 2), torch.zeros(3, 2), torch.zeros(3),
                          torch.zeros(3), torch.zeros(3, dtype=torch.bool), routing_trace=trace)
     module = SimpleNamespace(routing=SimpleNamespace(replays_in_training=True))
-    assert RLModule.replay_allows_sharing(module, batch)
+    assert PolicyForwards.replay_allows_sharing(module, batch)
     trace.indices[0, 1, 3] = 5  # a completion column may differ
-    assert RLModule.replay_allows_sharing(module, batch)
+    assert PolicyForwards.replay_allows_sharing(module, batch)
     trace.indices[0, 1, 0] = 5  # a prompt column may not: that prompt would replay row 0's experts for row 1
-    assert not RLModule.replay_allows_sharing(module, batch)
-    assert RLModule.replay_allows_sharing(SimpleNamespace(routing=SimpleNamespace(replays_in_training=False)), batch)
+    assert not PolicyForwards.replay_allows_sharing(module, batch)
+    assert PolicyForwards.replay_allows_sharing(SimpleNamespace(routing=SimpleNamespace(replays_in_training=False)), batch)

@@ -16,9 +16,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from gspo_lab.eval_sets import evaluation_sampler
+from gspo_lab.eval_sets import evaluation_backend
 from gspo_lab.rollout import token_logprobs
-from gspo_lab.rollout.generation import draw_row_seeds
+from gspo_lab.rollout.sampling import draw_row_seeds
+from gspo_lab.rollout.backend import Sampling
 from gspo_lab.rollout.vllm_engine import NarrowingLoadFilter, VLLMEngine, _reload, checkpoint_weights
 from gspo_lab.rollout.vllm_setup import BUFFERS_SYNCED, persistent_buffer_names
 from gspo_lab.train import ConfigError, build, plan
@@ -39,11 +40,16 @@ TINY = {"tiny_dense": ["model.config.num_hidden_layers=1", "model.config.hidden_
 BUFFERS_SYNCED_FAMILIES = {"tiny_glm4_moe": "Glm4MoeForCausalLM", "tiny_exaone_moe": "ExaoneMoeForCausalLM"}
 
 
+def rollout_sampling(module) -> Sampling:
+    """How the module's RL rollouts sample."""
+    return Sampling.of_rollout(module.rollout_cfg, module.render.add_special_tokens)
+
+
 def engine_gap(module, seeds: torch.Tensor) -> float:
     """The largest |engine log-prob - trainer log-prob| over the tokens the engine samples for PROMPTS."""
-    completions, trace = module.engine.generate(module.tokenizer, PROMPTS, module.rollout_cfg, seeds,
-                                                module.render.add_special_tokens)
-    assert trace is None and completions.completion_mask.sum() > len(PROMPTS)
+    generated = module.engine.generate(module.tokenizer, PROMPTS, rollout_sampling(module), seeds)
+    completions = generated.completions
+    assert generated.routing_trace is None and completions.completion_mask.sum() > len(PROMPTS)
     input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)
     mask = torch.cat([completions.prompt_mask, completions.completion_mask], 1)
     with torch.no_grad():
@@ -83,7 +89,7 @@ class KeepEngine(L.Callback):
 def test_the_samples_follow_their_seeds_whatever_the_batching_and_the_engine(compose, rl_overrides):
     _, module, _ = build(compose(rl_overrides + VLLM))
     generate = lambda engine, prompts, seeds: engine.generate(  # noqa: E731
-        module.tokenizer, prompts, module.rollout_cfg, seeds, module.render.add_special_tokens)[0]
+        module.tokenizer, prompts, rollout_sampling(module), seeds).completions
     seeds = torch.tensor([11, 12, 13, 14])
     try:
         module.engine.sync()
@@ -92,7 +98,7 @@ def test_the_samples_follow_their_seeds_whatever_the_batching_and_the_engine(com
         halves = [generate(module.engine, PROMPTS[:2], seeds[:2]), generate(module.engine, PROMPTS[2:], seeds[2:])]
     finally:
         module.close()
-    other = VLLMEngine(module.model, module.rollout_cfg.vllm)  # another engine, as a second run starts one
+    other = VLLMEngine(module.model, module.rollout_cfg)  # another engine, as a second run starts one
     try:
         other.sync()
         again = generate(other, PROMPTS, seeds)
@@ -144,10 +150,10 @@ def test_evaluation_generates_through_the_engine_greedy_as_transformers_does(com
     held-out prompts are transformers' (float32, the same weights: argmax ties aside)."""
     _, module, _ = build(compose(rl_overrides + VLLM + ["task.eval_size=24"]))
     try:
-        sampler, on_engine = evaluation_sampler(module.engine, module.model, "rollout")
-        engine, engine_rows = module.evaluator.run(module.model, module.tokenizer, sampler=sampler)
-        sampler, on_trainer = evaluation_sampler(module.engine, module.model, "trainer")  # eval.engine=trainer
-        hf, hf_rows = module.evaluator.run(module.model, module.tokenizer, sampler=sampler)
+        backend, on_engine = evaluation_backend(module.engine, module.model, "rollout")
+        engine, engine_rows = module.evaluator.run(module.model, module.tokenizer, backend=backend)
+        backend, on_trainer = evaluation_backend(module.engine, module.model, "trainer")  # eval.engine=trainer
+        hf, hf_rows = module.evaluator.run(module.model, module.tokenizer, backend=backend)
     finally:
         module.close()
     assert (on_engine["eval/engine_vllm"], on_trainer["eval/engine_vllm"]) == (1, 0)
@@ -291,7 +297,8 @@ def test_the_engine_runs_with_autocast_off_whatever_the_trainers_precision(compo
             module.engine.sync()  # starts the engine
             module.engine.llm.collective_rpc(record)
             module.engine.sync()
-            completions = module.engine.eval_sampler()(module.tokenizer, PROMPTS, 4, greedy=True)
+            module.engine.sync()
+            completions = module.engine.generate(module.tokenizer, PROMPTS, Sampling(4, greedy=True)).completions
         assert completions.completion_mask.sum() > 0
         assert engine_gap(module, torch.tensor([1, 2, 3, 4])) <= ROUNDING
     finally:

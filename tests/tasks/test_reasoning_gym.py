@@ -16,8 +16,7 @@ from gspo_lab.eval_sets import build_eval
 from gspo_lab.grading.scan import risky_call
 from gspo_lab.models import TinyModel
 from gspo_lab.rewards import build_rewards
-from gspo_lab.rollout.collection import reward_inputs
-from gspo_lab.rollout.generation import Completions
+from gspo_lab.rollout.completions import Completions, Generated, reward_inputs
 from gspo_lab.sft import SFTConfig
 from gspo_lab.tasks import Example, ReasoningGym
 from gspo_lab.tasks.reasoning_gym import registry
@@ -190,6 +189,16 @@ def writer(path) -> str:
     return f"__import__('builtins').open(r'{path}', 'a').write(str(__import__('os').getpid()) + ' ')"
 
 
+class Replies:
+    """A rollout backend that answers every prompt with the same texts (gspo_lab.rollout.backend's contract)."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+
+    def generate(self, tokenizer, prompts, sampling, row_seeds=None, routing=None) -> Generated:
+        return Generated(completions_of(self.texts))
+
+
 def completions_of(texts: list[str]) -> Completions:
     """What a sampler returns for `texts` (one token each: only the texts are graded)."""
     ones = torch.ones(len(texts), 1, dtype=torch.long)
@@ -223,7 +232,7 @@ def test_completions_a_verifier_evals_grade_outside_the_trainer_in_evaluation(co
     evaluator = plan.evaluator(None, 4, [], 0)
     assert plan.grader is not None and [s.grader is plan.grader for s in evaluator.sets] == [False] + [True] * 4
     try:
-        metrics, _ = evaluator.run(None, None, sampler=lambda *args, **kwargs: completions_of([writer(written), TOWER]))
+        metrics, _ = evaluator.run(None, None, backend=Replies([writer(written), TOWER]))
     finally:
         plan.close()
     for name in EVALS:  # the writer's write refused in the worker, the tower timed out: both failures

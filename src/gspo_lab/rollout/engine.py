@@ -1,5 +1,6 @@
-"""The rollout engine: what samples the completions, made to differ from the trainer the way an inference
-engine does (issue 13; GSPO paper section 5.4, R3 arXiv 2510.11370).
+"""rollout.backend=hf, the default rollout backend (gspo_lab.rollout.backend): transformers' `generate`, on the
+trainer's model or on an engine made to differ from the trainer the way an inference engine does (issue 13; GSPO
+paper section 5.4, R3 arXiv 2510.11370).
 
     rollout.engine.precision     fp32 | fp16 | bf16   generation with a float16 or bfloat16 copy of the weights,
                                                       computing in that dtype whatever trainer.precision is
@@ -15,19 +16,18 @@ recomputes the top-k and its gate weights from the noisy logits, the way the rou
 from __future__ import annotations
 
 import copy
-import math
-from contextlib import ExitStack, contextmanager
-from typing import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import ClassVar, Iterator
 
 import torch
 from torch import Tensor
 
-from gspo_lab.config import PRECISIONS, EngineConfig, RolloutConfig
-from gspo_lab.rollout.generation import Completions, generate
+from gspo_lab.config import PRECISIONS, RolloutConfig
+from gspo_lab.rollout.backend import RunSettings, Sampling
+from gspo_lab.rollout.completions import Generated
+from gspo_lab.rollout.generation import generate
 from gspo_lab.routing.adapters import ADAPTERS, expert_input_dim
 from gspo_lab.routing.hooks import router_hooks
-from gspo_lab.routing.trace import RoutingTrace
-from gspo_lab.tensors import k3, masked_mean
 
 
 def fake_quantise(weight: Tensor, bits: int, input_dim: int = -1) -> Tensor:
@@ -67,23 +67,39 @@ def quantised_weights(model: torch.nn.Module) -> dict[str, int]:
 
 
 class RolloutEngine:
-    """The model that generates, and the differences it has from the trainer's `model`."""
+    """rollout.backend=hf (a `RolloutBackend`): the model that generates, with transformers' `generate`, and the
+    differences it has from the trainer's `model` (rollout.engine)."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
-        self.trainer_model, self.config = model, config
+    name: ClassVar[str] = "hf"
+    serves_evaluation: ClassVar[bool] = False  # evaluation runs on the trainer's model, never on an engine copy
+
+    def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
+        self.trainer_model, self.config = model, rollout.engine
         self.copy, self.quantised = None, {}  # quantised: parameter name -> input dimension (quantised_weights)
-        if config.copies_weights:
+        if self.config.copies_weights:
             self.copy = copy.deepcopy(model).requires_grad_(False).eval()
             for parameter in self.copy.parameters():  # weights only: buffers (rotary frequencies) stay as they are
-                parameter.data = parameter.data.to(PRECISIONS[config.precision])
-            if config.weight_bits is not None:
+                parameter.data = parameter.data.to(PRECISIONS[self.config.precision])
+            if self.config.weight_bits is not None:
                 self.quantised = quantised_weights(self.copy)
             self.sync()
+
+    @classmethod
+    def check(cls, run: RunSettings) -> None:
+        """An engine copy of the weights cannot be made from FSDP's shards."""
+        if run.sharded and run.rollout.engine.copies_weights:
+            raise ValueError("rollout.engine.precision / weight_bits: an engine copy of the weights is not supported "
+                             "with trainer=fsdp (sharded weights); use trainer=ddp or the default engine")
 
     @property
     def model(self) -> torch.nn.Module:
         """The model generation runs on: the engine's copy, or the trainer's model itself."""
         return self.trainer_model if self.copy is None else self.copy
+
+    @property
+    def dtype(self) -> str:
+        """The dtype of the generating model's weights."""
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -104,19 +120,23 @@ class RolloutEngine:
     def close(self) -> None:
         """Nothing to stop: the copy, if any, is an ordinary module."""
 
-    def generate(self, tokenizer, prompts: list[str], rollout: RolloutConfig, row_seeds: Tensor,
-                 add_special_tokens: bool, routing) -> tuple[Completions, RoutingTrace | None]:
+    def generate(self, tokenizer, prompts: list[str], sampling: Sampling, row_seeds: Tensor | None = None,
+                 routing=None) -> Generated:
         """One completion per prompt with transformers' `generate` (gspo_lab.rollout.generation), row n from the
         stream `row_seeds[n]`, with its log-probs, and the experts `routing` records in generation."""
-        with self.generating(), routing.generation(self.model):
+        with self.generating(), routing.generation(self.model) if routing is not None else nullcontext():
             completions = generate(
-                self.model, tokenizer, prompts, rollout.max_new_tokens, temperature=rollout.temperature,
-                top_p=rollout.top_p, suppress_eos=rollout.suppress_eos, return_logprobs=True,
-                share_prompts=rollout.share_prompt_prefill, stop_token_ids=rollout.stop_token_ids,
-                add_special_tokens=add_special_tokens, row_seeds=row_seeds,
+                self.model, tokenizer, prompts, sampling.max_new_tokens, temperature=sampling.temperature,
+                top_p=sampling.top_p, greedy=sampling.greedy, suppress_eos=sampling.suppress_eos,
+                return_logprobs=sampling.logprobs, share_prompts=sampling.share_prompts,
+                stop_token_ids=sampling.stop_token_ids, add_special_tokens=sampling.add_special_tokens,
+                row_seeds=row_seeds,
             )
+        if routing is None:
+            return Generated(completions)
         prompt_len = completions.prompt_ids.shape[1]
-        return completions, routing.generation_trace(prompt_len, prompt_len + completions.completion_ids.shape[1])
+        return Generated(completions, routing.generation_trace(prompt_len,
+                                                               prompt_len + completions.completion_ids.shape[1]))
 
     def generating(self) -> ExitStack:
         """Around generate: an engine copy computes in its own precision, with the autocast that
@@ -130,16 +150,6 @@ class RolloutEngine:
         if self.config.router_noise != 0:
             context.enter_context(noisy_routers(self.model, self.config.router_noise))
         return context
-
-
-def build_engine(model: torch.nn.Module, rollout: RolloutConfig):
-    """The engine rollout.backend names: this module's RolloutEngine (hf) or vLLM's (gspo_lab.rollout.vllm_engine).
-    Both `sync()` the trainer's weights and `generate(...)` completions; nothing else tells them apart."""
-    if rollout.backend == "vllm":
-        from gspo_lab.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model, rollout.vllm)
-    return RolloutEngine(model, rollout.engine)
 
 
 @contextmanager
@@ -157,26 +167,3 @@ def noisy_routers(model: torch.nn.Module, sigma: float) -> Iterator[None]:
 
     with router_hooks(model, perturb, "rollout.engine.router_noise"):
         yield
-
-
-def mismatch_metrics(train_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> dict[str, float]:
-    """How far the engine's log-probs of the sampled tokens are from the trainer's (R3, arXiv 2510.11370).
-    train_logp, engine_logp, mask: [B, C]. With ρ_t = π_train(y_t) / π_engine(y_t):
-        mismatch/kl                  mean over tokens of k3 = ρ - 1 - log ρ
-        mismatch/extreme_frac        fraction of tokens with max(ρ, 1/ρ) > 2 (R3's F(2))
-        mismatch/seq_log_ratio_abs   mean over sequences of |mean_t log ρ_t|
-
-    >>> m = mismatch_metrics(torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, -2.0]]), torch.ones(1, 2))
-    >>> round(m["mismatch/kl"], 6), m["mismatch/extreme_frac"], m["mismatch/seq_log_ratio_abs"]  # ρ = 1, e
-    (0.359141, 0.5, 0.5)
-    """
-    valid = mask.bool()
-    tokens = valid.double()  # [B, C]
-    train, engine = (torch.where(valid, logp.double(), 0.0) for logp in (train_logp, engine_logp))  # padding: 0
-    log_rho = train - engine  # [B, C] log ρ_t
-    seq_mean = masked_mean(log_rho, tokens, dim=-1)  # [B] mean_t log ρ_t
-    return {
-        "mismatch/kl": masked_mean(k3(train, engine), tokens).item(),  # k3 = ρ - 1 - log ρ, ρ = π_train / π_engine
-        "mismatch/extreme_frac": masked_mean((log_rho.abs() > math.log(2)).double(), tokens).item(),
-        "mismatch/seq_log_ratio_abs": masked_mean(seq_mean.abs(), valid.any(-1).double()).item(),  # rows with tokens
-    }

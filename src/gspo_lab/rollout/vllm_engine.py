@@ -28,14 +28,17 @@ import random
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from gspo_lab.config import RolloutConfig, VLLMConfig
-from gspo_lab.rollout.generation import Completions, cut_at_stop, stop_ids
-from gspo_lab.rollout.vllm_setup import checkpoint_tensors, environment
+from gspo_lab.config import RolloutConfig
+from gspo_lab.rollout.backend import RunSettings, Sampling
+from gspo_lab.rollout.completions import Completions, Generated, cut_at_stop, stop_ids
+from gspo_lab.rollout.sampling import draw_row_seeds
+from gspo_lab.rollout.vllm_setup import INSTALL, available, check, check_run, checkpoint_tensors, environment
 
 
 class NarrowingLoadFilter(logging.Filter):
@@ -139,13 +142,28 @@ def local_rank(device: torch.device, rank: int) -> int:
 
 
 class VLLMEngine:
-    """vLLM's `LLM` in this process, generating with the trainer's current weights."""
+    """rollout.backend=vllm (a `RolloutBackend`): vLLM's `LLM` in this process, generating with the trainer's
+    current weights; evaluation generates through it too (eval.engine=rollout)."""
 
-    def __init__(self, model: torch.nn.Module, config: VLLMConfig) -> None:
-        self.trainer_model, self.config = model, config
+    name: ClassVar[str] = "vllm"
+    serves_evaluation: ClassVar[bool] = True
+
+    def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
+        if not available():
+            raise ValueError(INSTALL)
+        self.trainer_model, self.config = model, rollout.vllm
         self.llm = None
         self.folder: tempfile.TemporaryDirectory | None = None  # the config vLLM builds the model from
         self.owns_process_group = False  # vLLM initialised torch.distributed (one process) and ends it on close
+
+    @classmethod
+    def check(cls, run: RunSettings) -> None:
+        """What vLLM cannot run here (`vllm_setup.check`) and what the run's other settings ask of it
+        (`vllm_setup.check_run`)."""
+        source = run.model_source
+        check(run.rollout, source.skeleton(), run.routing.replay, run.device, run.sharded, source.lora.enabled,
+              run.nodes)
+        check_run(run.rollout, run.evaluation, run.train, source)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -220,57 +238,45 @@ class VLLMEngine:
             raise RuntimeError("vLLM did not reset its prefix cache after a weight sync (requests still running?): its "
                                "cached keys and values are the old weights', and the next rollout would reuse them")
 
-    def generate(self, tokenizer, prompts: list[str], rollout: RolloutConfig, row_seeds: Tensor,
-                 add_special_tokens: bool, routing=None) -> tuple[Completions, None]:
-        """One completion per prompt, row n with seed `row_seeds[n]`, with the engine's log-probs; no routing
-        trace (vLLM returns no experts on CPU)."""
-        return self.sample(tokenizer, prompts, rollout.max_new_tokens, temperature=rollout.temperature,
-                           top_p=rollout.top_p, suppress_eos=rollout.suppress_eos,
-                           stop_token_ids=rollout.stop_token_ids, add_special_tokens=add_special_tokens,
-                           row_seeds=row_seeds), None
-
-    def sample(self, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-               top_p: float = 1.0, greedy: bool = False, suppress_eos: bool = False, stop_token_ids=(),
-               add_special_tokens: bool = True, row_seeds: Tensor | None = None,
-               share_prompts: bool = True) -> Completions:
-        """`generate`'s contract (gspo_lab.rollout.generation) on vLLM, with the weights of the last `sync`: one
-        completion per prompt, row n seeded by `row_seeds[n]` (greedy: none), cut at the stop ids as `generate`
-        cuts them (`stop_ids`), with the engine's log-probs of the sampled tokens; each group's prompt is
-        prefilled once by the prefix cache whatever `share_prompts`. `suppress_eos` (benchmarks): every completion
-        runs to max_new_tokens; a stop token may be sampled, and does not stop it (hf never samples one), so the
-        distribution and its log-probs stay the trainer's."""
+    def generate(self, tokenizer, prompts: list[str], sampling: Sampling, row_seeds: Tensor | None = None,
+                 routing=None) -> Generated:
+        """The backend's contract (gspo_lab.rollout.backend) on vLLM, with the weights of the last `sync`: one
+        completion per prompt, row n seeded by `row_seeds[n]` (greedy: none), cut at the stop ids as the hf
+        backend cuts them (`stop_ids`), with the engine's log-probs of the sampled tokens; no routing trace (vLLM
+        returns no experts on CPU). Each group's prompt is prefilled once by the prefix cache, whatever
+        `sampling.share_prompts`. `suppress_eos` (benchmarks): every completion runs to max_new_tokens; a stop
+        token may be sampled, and does not stop it (hf never samples one), so the distribution and its log-probs
+        stay the trainer's."""
         from vllm import SamplingParams
 
-        stop = [] if suppress_eos else stop_ids(tokenizer, self.trainer_model, stop_token_ids)
-        encoded = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]
-        seeds = [None] * len(prompts) if greedy else (row_seeds if row_seeds is not None else
-                                                        torch.randint(0, 2**62, (len(prompts),))).tolist()
-        params = [SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=top_p,
-                                 max_tokens=max_new_tokens, seed=seed, logprobs=0, stop_token_ids=stop,
-                                 ignore_eos=True, detokenize=False) for seed in seeds]
+        stop = [] if sampling.suppress_eos else stop_ids(tokenizer, self.trainer_model, sampling.stop_token_ids)
+        encoded = tokenizer(prompts, add_special_tokens=sampling.add_special_tokens)["input_ids"]
+        seeds = [None] * len(prompts) if sampling.greedy else (row_seeds if row_seeds is not None else
+                                                                 draw_row_seeds(len(prompts))).tolist()
+        params = [SamplingParams(n=1, temperature=0.0 if sampling.greedy else sampling.temperature,
+                                 top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, seed=seed,
+                                 logprobs=0 if sampling.logprobs else None, stop_token_ids=stop, ignore_eos=True,
+                                 detokenize=False) for seed in seeds]
         with autocast_off(self.device_type):
             outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
-        return assemble(tokenizer, encoded, [o.outputs[0] for o in outputs], stop)
-
-    def eval_sampler(self):
-        """What an evaluation generates with: this engine, synced with the trainer's weights now."""
-        self.sync()
-        return self.sample
+        return Generated(assemble(tokenizer, encoded, [o.outputs[0] for o in outputs], stop, sampling.logprobs))
 
 
-def assemble(tokenizer, prompt_ids: list[list[int]], samples: list, stop: list[int]) -> Completions:
+def assemble(tokenizer, prompt_ids: list[list[int]], samples: list, stop: list[int], logprobs: bool = True
+             ) -> Completions:
     """vLLM's outputs as `Completions`: prompts left-padded, completions right-padded to the longest, each cut
-    after its first stop token, with the log-prob of each sampled token (0 on padding)."""
+    after its first stop token, with the log-prob of each sampled token (0 on padding) where vLLM returned them."""
     pad = tokenizer.pad_token_id
     width = max(len(ids) for ids in prompt_ids)
     prompts = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])  # [N, P]
     prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
     length = max(1, max(len(s.token_ids) for s in samples))
     tokens = torch.full((len(samples), length), pad, dtype=torch.long)  # [N, C]
-    logprobs = torch.zeros(len(samples), length)
+    values = torch.zeros(len(samples), length)
     for row, sample in enumerate(samples):
         ids = list(sample.token_ids)
         tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        logprobs[row, : len(ids)] = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, ids)])
+        if logprobs:
+            values[row, : len(ids)] = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, ids)])
     generated = torch.tensor([[1] * len(s.token_ids) + [0] * (length - len(s.token_ids)) for s in samples]).bool()
-    return cut_at_stop(tokenizer, prompts, prompt_mask, tokens, stop, logprobs, generated)
+    return cut_at_stop(tokenizer, prompts, prompt_mask, tokens, stop, values if logprobs else None, generated)

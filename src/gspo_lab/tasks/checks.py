@@ -1,17 +1,13 @@
-"""A task's checker on many completions, in killable grading workers or in this process: what evaluation and
-the cold start's held-out accuracy use (gspo_lab.evaluation). A task is anything with `is_correct(example,
-completion)` and `answer_of(completion, example)` (gspo_lab.tasks.base.Task); this module imports no task."""
+"""A task's checker on many completions, in killable grading workers (gspo_lab.grading) or in this process: what
+evaluation and the cold start's held-out accuracy use (gspo_lab.evaluation)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from gspo_lab.grading.guard import guarded
 from gspo_lab.grading.pool import GradingPool, call_inline
-
-if TYPE_CHECKING:  # annotations only: tasks sit above grading
-    from gspo_lab.tasks.base import Example, Task
+from gspo_lab.tasks.base import Example, Task
 
 
 class Checker:

@@ -1,0 +1,131 @@
+"""The rollout backend: what samples an RL step's completions and an evaluation's, declared once.
+
+    rollout.backend=hf     transformers' `generate` on the trainer's weights (gspo_lab.rollout.engine; a simulated
+                           inference engine through rollout.engine.*)
+    rollout.backend=vllm   vLLM in this process (gspo_lab.rollout.vllm_engine; settings under rollout.vllm)
+    rollout.backend=replay completions recorded in a file (gspo_lab.rollout.replay; rollout.options.path)
+
+A backend is a class with the methods of `RolloutBackend`, built as `cls(model, rollout)` from the trainer's model
+and the `rollout` settings; `BACKENDS` names its class, and its module is imported only when a run names it. One
+sampling contract serves training and evaluation: `generate(tokenizer, prompts, Sampling(...), row_seeds)`, one
+completion per prompt, returns a `Generated` (gspo_lab.rollout.completions). A backend of your own is one file, a
+line in `BACKENDS` and its settings under rollout.options (docs/how-to/extend.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor
+
+from gspo_lab.config import RolloutConfig
+from gspo_lab.rollout.completions import Generated
+
+# rollout.backend -> "module:class"; a module is imported when a run names its backend
+BACKENDS = {
+    "hf": "gspo_lab.rollout.engine:RolloutEngine",
+    "vllm": "gspo_lab.rollout.vllm_engine:VLLMEngine",
+    "replay": "gspo_lab.rollout.replay:ReplayBackend",
+}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How `generate` samples: the same for an RL rollout (`of_rollout`) and an evaluation.
+
+    max_new_tokens: the generation budget; a completion without a stop token by then is truncated.
+    temperature, top_p: softmax(logits / temperature), nucleus-filtered by top_p (1: none).
+    greedy: the most likely token at each step (no row seeds).
+    suppress_eos: never stop at a stop token (benchmarks: every completion max_new_tokens long).
+    stop_token_ids: tokens that end a completion besides the tokenizer's and the checkpoint's EOS.
+    add_special_tokens: false for prompts a chat template rendered, which hold their own special tokens.
+    share_prompts: prefill a prompt repeated in the call (a group) once.
+    logprobs: return the engine's log-probs of the sampled tokens (an RL rollout's; evaluation needs none).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    suppress_eos: bool = False
+    stop_token_ids: Sequence[int] = ()
+    add_special_tokens: bool = True
+    share_prompts: bool = True
+    logprobs: bool = True
+
+    @classmethod
+    def of_rollout(cls, rollout: RolloutConfig, add_special_tokens: bool) -> Sampling:
+        """An RL rollout's sampling, from the `rollout` settings."""
+        return cls(rollout.max_new_tokens, rollout.temperature, rollout.top_p, suppress_eos=rollout.suppress_eos,
+                   stop_token_ids=tuple(rollout.stop_token_ids), add_special_tokens=add_special_tokens,
+                   share_prompts=rollout.share_prompt_prefill)
+
+
+@dataclass
+class RunSettings:
+    """What a backend's `check` reads at plan time, before any weights load: the run's validated settings
+    (gspo_lab.config; `evaluation` is gspo_lab.evaluation.EvalSettings), the model source (`skeleton()` gives the
+    architecture on the meta device), the trainer's device type ("cpu" or "cuda"), whether its strategy shards
+    the weights (trainer=fsdp), and trainer.num_nodes."""
+
+    rollout: RolloutConfig
+    train: Any
+    routing: Any
+    evaluation: Any
+    model_source: Any
+    device: str
+    sharded: bool
+    nodes: int = 1
+
+
+class RolloutBackend(Protocol):
+    """What samples completions for the RL step (gspo_lab.step.collector) and for evaluation.
+
+    name: its `rollout.backend` value.
+    serves_evaluation: whether evaluation generates through it under eval.engine=rollout (vLLM: its samples are
+        the engine's); otherwise evaluation runs transformers on the trainer's model.
+    dtype: the dtype it computes in, as evaluation records it (eval/engine_mantissa_bits).
+    """
+
+    name: ClassVar[str]
+    serves_evaluation: ClassVar[bool]
+
+    def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None: ...
+
+    @classmethod
+    def check(cls, run: RunSettings) -> None:
+        """Refuse, at plan time, what this backend cannot run: a ValueError naming the key, the value and the
+        rule."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    def sync(self) -> None:
+        """Take the trainer's current weights (before every rollout, after every update)."""
+
+    def generate(self, tokenizer, prompts: list[str], sampling: Sampling, row_seeds: Tensor | None = None,
+                 routing=None) -> Generated:
+        """One completion per prompt, row n sampled from the stream seeded by `row_seeds[n]` ([N] int64; None:
+        greedy, or drawn here), with the engine's log-probs of the sampled tokens; `routing` (a
+        gspo_lab.routing.RoutingReplay, or None) records the experts where the backend can."""
+
+    def close(self) -> None:
+        """Stop what the backend runs beside the trainer (vLLM's engine); nothing for an ordinary module."""
+
+
+def backend_class(name: str) -> type[RolloutBackend]:
+    """The class `BACKENDS` names for rollout.backend=`name`, its module imported now; ValueError for another
+    name."""
+    if name not in BACKENDS:
+        raise ValueError(f"rollout.backend={name!r} is invalid: must be one of {list(BACKENDS)}")
+    module, _, cls = BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_backend(model: torch.nn.Module, rollout: RolloutConfig) -> RolloutBackend:
+    """The backend rollout.backend names, generating with `model`'s weights."""
+    return backend_class(rollout.backend)(model, rollout)

@@ -1,0 +1,186 @@
+"""The rollout half of an RL step, `RolloutCollector.collect`: this rank's prompts, `group_size` completions each from
+the rollout backend, rewards (and DAPO's further rounds of prompts), advantages, the mismatch probe's own forward,
+the old-policy and reference log-probs: a `Rollout`, the batch the updates train on and the rollout's metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gspo_lab.config import RolloutConfig
+from gspo_lab.objectives import AdvantageEstimator
+from gspo_lab.objectives.advantages import scored_advantages
+from gspo_lab.prompts import PromptFormat
+from gspo_lab.rewards import Scores, WeightedRewards
+from gspo_lab.rollout import PromptSchedule, RolloutBatch
+from gspo_lab.rollout.backend import RolloutBackend, Sampling
+from gspo_lab.rollout.completions import Completions, Generated, reward_inputs
+from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
+from gspo_lab.rollout.sampling import draw_row_seeds
+from gspo_lab.routing import RoutingReplay
+from gspo_lab.step.metrics import add_round
+from gspo_lab.step.policy import PolicyForwards
+from gspo_lab.step.probe import MismatchProbe
+from gspo_lab.step.ranks import Ranks
+from gspo_lab.tasks.base import Example
+from gspo_lab.tensors import frac_zero_std
+
+
+@dataclass
+class Rollout:
+    batch: RolloutBatch  # what the updates train on, on the policy's device
+    metrics: dict[str, float]  # reward/*, completion/*, rollout/*, mismatch/* where measured, time/*
+
+
+class RolloutCollector:
+    """Collects each RL step's rollout batch from the `backend`, scored by `rewards`, with advantages from
+    `advantage`, π_old and the reference's log-probs from `policy`."""
+
+    def __init__(self, backend: RolloutBackend, policy: PolicyForwards, probe: MismatchProbe,
+                 routing: RoutingReplay, prompts: PromptSchedule, render: PromptFormat, tokenizer,
+                 rewards: WeightedRewards, advantage: AdvantageEstimator, rollout: RolloutConfig,
+                 shuffle_rewards: bool, kl_penalty: bool) -> None:
+        self.backend, self.policy, self.probe, self.routing = backend, policy, probe, routing
+        self.prompts, self.render, self.tokenizer = prompts, render, tokenizer
+        self.rewards, self.advantage, self.rollout_cfg = rewards, advantage, rollout
+        self.shuffle_rewards, self.kl_penalty = shuffle_rewards, kl_penalty
+
+    def collect(self, step: int, ranks: Ranks) -> Rollout:
+        """This rank's rollout batch for RL step `step`, and its metrics."""
+        cfg = self.rollout_cfg
+        sampled, metrics = self.sample_round(step, 0, ranks)
+        # reward/* and completion/* describe the policy on the step's own prompts, filtered or not
+        metrics.update(sample_metrics(sampled.scored_rewards, sampled.completions, cfg.group_size))
+        if cfg.filter_zero_std_groups:
+            sampled, more = self.resample_zero_std_groups(step, sampled, ranks)
+            add_round(metrics, more)
+            # the batch trained on (no all-equal groups, so no all-correct ones): names of its own
+            trained = sample_metrics(sampled.scored_rewards, sampled.completions, cfg.group_size)
+            metrics.update({f"trained/{key}": value for key, value in trained.items()})
+        batch = self.batch(sampled, ranks.device)
+        metrics.update(self.probe.own_forward(batch, step))
+        started = time.perf_counter()
+        if batch.old_logp is None:
+            batch.old_logp, batch.routing_trace = self.policy.old_logprobs(batch)
+        metrics["time/old_logprobs_s"] = time.perf_counter() - started
+        if self.kl_penalty:
+            started = time.perf_counter()
+            batch.ref_logp = self.policy.reference_logprobs(batch)
+            metrics["time/ref_logprobs_s"] = time.perf_counter() - started
+        metrics["rollout/completions"] = float(len(batch.rewards))  # this rank's; the mean over ranks is logged
+        metrics["rollout/width"] = float(batch.input_ids.shape[1])  # padded prompt + completion positions per row
+        return Rollout(batch, metrics)
+
+    def batch(self, sampled: SampledRound, device: torch.device) -> RolloutBatch:
+        """The scored completions as a RolloutBatch on `device`, with their advantages; π_old is the engine's where
+        rollout.logprobs_from_generation, else None until `collect` computes it."""
+        cfg = self.rollout_cfg
+        completions, rewards, rollout_trace = sampled.completions, sampled.rewards, sampled.rollout_trace
+        loss_mask = completions.completion_mask
+        if cfg.mask_truncated:
+            loss_mask = loss_mask * (~completions.truncated)[:, None]
+        # what an estimator may need beside the totals, on their device (the host: scores are computed there, the
+        # completions may be on the GPU); built only where it names them (`inputs`): the token counts' copy to the
+        # host waits for the GPU
+        available = {"components": lambda: sampled.components, "weights": lambda: self.rewards.weights,
+                     "token_counts": lambda: loss_mask.sum(-1).to(rewards.device)}
+        inputs = {name: available[name]() for name in getattr(self.advantage, "inputs", ())}
+        # a completion no reward function applied to (all None) reaches the estimator as NaN: it takes no part in the
+        # other completions' baselines and statistics, nor in the update (advantage 0)
+        advantages = scored_advantages(self.advantage, rewards, sampled.applies, cfg.group_size, **inputs)
+        return RolloutBatch(
+            input_ids=torch.cat([completions.prompt_ids, completions.completion_ids], 1),
+            attention_mask=torch.cat([completions.prompt_mask, completions.completion_mask], 1),
+            loss_mask=loss_mask,
+            old_logp=completions.logprobs if cfg.logprobs_from_generation else None,
+            rewards=rewards,
+            advantages=advantages,
+            truncated=completions.truncated,
+            routing_trace=rollout_trace,
+            rollout_logp=completions.logprobs,
+            rollout_trace=rollout_trace,
+        ).to(device)
+
+    def sample_round(self, step: int, sampling_round: int, ranks: Ranks) -> tuple[SampledRound, dict[str, float]]:
+        """One round of this rank's share of the step's prompts, `group_size` completions each, scored; its
+        timings, and the reward functions' metrics (reward/<name>/* of round 0, the running error counts of
+        every round)."""
+        cfg = self.rollout_cfg
+        examples = self.prompts.for_step(step, ranks.rank, ranks.world, sampling_round)
+        grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
+        texts = self.render.texts(examples)  # model input, once per prompt
+        generated, metrics = self.sample([text for text in texts for _ in range(cfg.group_size)])
+        scores = self.score(step, grouped, generated.completions)
+        metrics.update({k: v for k, v in scores.metrics.items()
+                        if sampling_round == 0 or k.endswith(("errors", "timeouts"))})
+        rewards, applies, components = scores.total, scores.applies, scores.components
+        if self.shuffle_rewards:  # negative control (train.shuffle_rewards): rewards no longer fit their completions
+            order = torch.randperm(len(rewards))
+            rewards, applies, components = rewards[order], applies[order], components[order]
+        return SampledRound(grouped, generated.completions, rewards, applies, components,
+                            generated.routing_trace), metrics
+
+    def resample_zero_std_groups(self, step: int, first: SampledRound, ranks: Ranks
+                                 ) -> tuple[SampledRound, dict[str, float]]:
+        """DAPO's dynamic sampling (gspo_lab.rollout.dynamic_sampling): further rounds until the step has
+        prompts_per_step groups with differing rewards, or max_sampling_rounds were sampled."""
+        cfg = self.rollout_cfg
+        rounds, needed, metrics = [first], len(first.rewards) // cfg.group_size, {}
+
+        def short() -> bool:
+            return informative_count(rounds, cfg.group_size) < needed and len(rounds) < cfg.max_sampling_rounds
+
+        while ranks.any(short()):  # ranks sample in lockstep
+            sampled, more = self.sample_round(step, len(rounds), ranks)
+            rounds.append(sampled)
+            add_round(metrics, more)
+        merged, unfilled = merge_rounds(rounds, cfg.group_size, needed, self.tokenizer.pad_token_id)
+        sampled = torch.cat([r.scored_rewards for r in rounds])
+        metrics["rollout/sampling_rounds"] = float(len(rounds))
+        metrics["rollout/unfilled_groups"] = float(unfilled)
+        metrics["rollout/frac_zero_std_sampled"] = frac_zero_std(sampled, cfg.group_size).item()
+        return merged, metrics
+
+    def sample(self, prompts: list[str]) -> tuple[Generated, dict[str, float]]:
+        """Completions from the rollout backend, its weights first refreshed from the trainer's current ones, in
+        `generate` calls of rollout.generation_batch_size rows, and the time each took; the engine's own log-probs
+        of the sampled tokens are always kept, and its experts when routing records them. Each row samples from
+        its own stream, its seed drawn here for all rows at once, so the samples do not depend on the batch size
+        (unless the engine draws router noise, which it does per call)."""
+        cfg = self.rollout_cfg
+        started = time.perf_counter()
+        self.backend.sync()
+        synced = time.perf_counter()
+        seeds = draw_row_seeds(len(prompts))  # [N]
+        size = cfg.generation_batch_size or len(prompts)
+        sampling = Sampling.of_rollout(cfg, self.render.add_special_tokens)
+        parts = [self.backend.generate(self.tokenizer, prompts[start : start + size], sampling,
+                                       seeds[start : start + size], self.routing)
+                 for start in range(0, len(prompts), size)]
+        generated = Generated.cat(parts, self.tokenizer.pad_token_id)
+        return generated, {"time/engine_sync_s": synced - started, "time/generate_s": time.perf_counter() - synced}
+
+    def score(self, step: int, examples: list[Example], completions: Completions) -> Scores:
+        """The reward functions' scores of this round's completions (gspo_lab.rewards): each function gets the
+        examples' prompts, the completions (as assistant messages when the prompts are conversational), their
+        token ids up to and including the stop token, the reference `answer` and every other column."""
+        group = self.rollout_cfg.group_size
+        return self.rewards.score(*reward_inputs(examples, completions),
+                                  where=lambda i: f"RL step {step}, prompt {i // group}, completion {i % group}")
+
+
+def sample_metrics(rewards: torch.Tensor, completions: Completions, group_size: int) -> dict[str, float]:
+    """reward/mean, reward/std, reward/frac_zero_std, completion/len_mean and completion/truncated_frac of sampled
+    completions (rewards [N], groups contiguous; NaN where no reward function scored a completion, which the
+    reward/* leave out: NaN where none was scored)."""
+    scored = rewards[~rewards.isnan()]
+    return {
+        "reward/mean": scored.mean().item(),
+        "reward/std": scored.std(unbiased=False).item(),
+        "reward/frac_zero_std": frac_zero_std(rewards, group_size).item(),
+        "completion/len_mean": completions.completion_mask.sum(-1).float().mean().item(),
+        "completion/truncated_frac": completions.truncated.float().mean().item(),
+    }
