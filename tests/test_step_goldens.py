@@ -1,11 +1,13 @@
-"""The RL step's numbers are its contract: six short runs, one per part of the step that a change to its structure
-could disturb, write the metrics.csv recorded in tests/golden/step/ (time columns aside).
+"""The RL step's numbers are its contract: seven short runs, one per part of the step that a change to its structure
+could disturb, write the metrics.csv recorded in tests/golden/step/ (time columns aside; the vLLM run under make
+test-vllm).
 
-Recorded with the step as it stood before issue 48 split it into named parts (commit 3412b9d), and kept: a
-change to the step that moves a number fails here, and says which metric moved at which step. On the machine
-and kernels that recorded them (torch and transformers, the CPU capability and thread count, in
-golden/step/recorded.json) the files
-must match byte for byte; elsewhere every value to a relative 1e-4 (a few float32 steps on other kernels).
+Recorded with the step as it stood before issue 48 split it into named parts (commit 3412b9d), and kept: a change
+to the step that moves a number fails here, naming the first metric that moved and its step. The files must match
+byte for byte on the machine and kernels that recorded them (torch and transformers, the CPU capability and thread
+count, in golden/step/recorded.json); elsewhere the test skips, saying why: other kernels round the logits
+otherwise, a sampled token can flip, and from there the run is another (under ATEN_CPU_CAPABILITY=default the bf16
+engine's mismatch/seq_log_ratio_abs at step 1 read 1.88e-3 against 1.69e-3 recorded).
 
     GSPO_RECORD_GOLDENS=1 pytest tests/test_step_goldens.py   # write the files anew, after a change meant to move them
 """
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 from pathlib import Path
 
@@ -60,19 +61,6 @@ def untimed_text(rows: list[dict[str, str]]) -> str:
     return "\n".join([",".join(columns), *(",".join(row[c] for c in columns) for row in rows)]) + "\n"
 
 
-def assert_same_numbers(got: list[dict[str, str]], expected: list[dict[str, str]], name: str) -> None:
-    assert len(got) == len(expected), f"{name}: {len(got)} rows, recorded {len(expected)}"
-    for index, (row, want) in enumerate(zip(got, expected)):
-        assert set(row) == set(want), f"{name}, row {index}: columns differ: {sorted(set(row) ^ set(want))}"
-        for key, value in want.items():
-            if value == "" or row[key] == "":
-                assert row[key] == value, f"{name}, row {index}, {key}: {row[key]!r}, recorded {value!r}"
-                continue
-            a, b = float(row[key]), float(value)
-            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) or (math.isnan(a) and math.isnan(b)), \
-                f"{name}, row {index}, {key}: {a}, recorded {b}"
-
-
 @pytest.mark.parametrize("name", [pytest.param(name, marks=NEEDS_VLLM if name == "vllm" else ())
                                   for name in sorted(RUNS)])
 def test_the_step_writes_the_recorded_metrics(name, compose, fast_rl, tmp_path):
@@ -86,8 +74,13 @@ def test_the_step_writes_the_recorded_metrics(name, compose, fast_rl, tmp_path):
         golden.write_text(untimed_text(rows))
         machines.write_text(json.dumps({**recorded, name: machine()}, indent=1, sort_keys=True) + "\n")
         return
-    if recorded[name] == machine():
-        assert untimed_text(rows) == golden.read_text(), f"{name}: metrics.csv differs from {golden}"
-    else:
-        with open(golden, newline="") as file:
-            assert_same_numbers(rows, list(csv.DictReader(file)), name)
+    if recorded[name] != machine():
+        pytest.skip(f"{golden.name} was recorded with {recorded[name]}, this is {machine()}: only the same kernels "
+                    "give the same samples; GSPO_RECORD_GOLDENS=1 records them here")
+    with open(golden, newline="") as file:
+        expected = list(csv.DictReader(file))
+    assert [list(row) for row in rows] == [list(row) for row in expected], f"{name}: other columns than {golden}"
+    for index, (row, want) in enumerate(zip(rows, expected)):
+        moved = [key for key in want if row[key] != want[key]]
+        assert not moved, f"{name}, row {index}: {moved[0]} = {row[moved[0]]}, recorded {want[moved[0]]}"
+    assert untimed_text(rows) == golden.read_text()  # the same rows, byte for byte

@@ -126,7 +126,7 @@ class RLModule(L.LightningModule):
         """trainer=fsdp (Lightning's ModelParallelStrategy) gives the module a [nodes, devices] device mesh:
         shard the policy with FSDP2 within a node and replicate it across nodes. Other strategies give no mesh
         and leave the model as it is. Every rank still trains on its own share of the prompts."""
-        if self.device_mesh is not None:  # LoRA and an engine copy are refused with fsdp by the plan (train.check_model)
+        if self.device_mesh is not None:  # LoRA and an engine copy are refused with fsdp at plan time
             shard(self.model, self.device_mesh)
             if self.reference is not None:
                 shard(self.reference, self.device_mesh)

@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import logging
 import os
@@ -17,42 +15,32 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
-import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.types import RunMode
-from hydra.utils import instantiate
-from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab import CONFIG_DIR, SOURCE_ROOT
 from gspo_lab.callbacks import GracefulStop
 from gspo_lab.cold_start import policy_from_config
-from gspo_lab.eval_sets import build_eval
 from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import ContextTooLong
 from gspo_lab.models.lora import apply_lora
 from gspo_lab.module import RLModule, TooManySkippedUpdates
-from gspo_lab.objectives.micro_batches import check_splittable
+from gspo_lab.plan import (ConfigError, Plan, check_precision, plan, resolve_checkpoint, warn_inexact_old_logprobs,
+                           warn_latex_only_reward)
 from gspo_lab.report.run import plot_reward_curve, write_run_info
 from gspo_lab.report.summary import format_summary, summarise
-from gspo_lab.rewards import build_rewards, math_accuracy, unwrapped
-from gspo_lab.rollout.backend import RunSettings, backend_class
-from gspo_lab.routing.adapters import find_routers
 from gspo_lab.sharding import full_state_dict, is_sharded
-from gspo_lab.tasks import HFDataset
+
+# the plan and its checks live in gspo_lab.plan; tests and users import them from here as before
+__all__ = ["ConfigError", "Interrupted", "Plan", "algorithm_label", "build", "check_precision", "main", "plan",
+           "resolve_checkpoint", "train", "warn_inexact_old_logprobs", "warn_latex_only_reward"]
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A setting is invalid; the message names the key, the value and the rule."""
 
 
 class Interrupted(RuntimeError):
@@ -64,168 +52,6 @@ class Interrupted(RuntimeError):
                   "Lightning wrote there" if requeued else
                   f"Resume with: gspo-train <same overrides> hydra.run.dir={run_dir} ckpt_path=last")
         super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint {checkpoint}. {resume}")
-
-
-@dataclass
-class Plan:
-    """Everything of a run that is cheap to build, built and checked before anything heavy starts."""
-
-    run_dir: Path
-    trainer: L.Trainer
-    loggers: list
-    callbacks: list
-    rollout: object
-    train: object
-    routing: object
-    task: object
-    rewards: object
-    prompt: object
-    evaluation: object
-    objective: object
-    advantage: object
-    optimizer: object
-    model_source: object
-    ckpt_path: str | None
-
-
-def plan(cfg: DictConfig) -> Plan:
-    """Validate the config by instantiating its light parts; raises ConfigError with key, value and rule."""
-    try:
-        check_advantage_settings(cfg.advantage)
-        parts = {k: instantiate(cfg[k]) for k in ("rollout", "train", "routing", "task", "objective", "advantage",
-                                                   "optimizer")}
-        model_source = instantiate(cfg.model)  # the model source checks its own settings; weights load later
-        parts["prompt"] = instantiate(cfg.prompt)
-        parts["rewards"] = build_rewards(cfg.reward, parts["task"], parts["train"].on_reward_error)
-        parts["evaluation"] = build_eval(cfg, parts["task"], parts["prompt"], parts["train"].on_reward_error)
-        loggers = [instantiate(c) for c in cfg.get("logger", {}).values()]
-        callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values()]
-        trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
-        check_precision(trainer)
-        parts["train"].check_against(parts["rollout"], trainer.world_size)
-        parts["routing"].check_against(parts["rollout"])
-        check_rollout_correction(parts["objective"], parts["rollout"])
-        warn_latex_only_reward(parts["rewards"], parts["task"])
-        warn_inexact_old_logprobs(parts["rollout"].logprobs_from_generation,
-                                  "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
-                                  str(trainer.precision))
-        if parts["train"].micro_batch_size is not None:
-            check_splittable(parts["objective"])
-        check_model(model_source, parts["routing"], trainer)
-        backend_class(parts["rollout"].backend).check(RunSettings(
-            parts["rollout"], parts["train"], parts["routing"], parts["evaluation"].settings, model_source,
-            "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
-            isinstance(trainer.strategy, ModelParallelStrategy), trainer.num_nodes))
-    except InstantiationException as error:
-        raise ConfigError(str(error.__cause__ or error)) from error
-    except (ValueError, FileNotFoundError) as error:
-        raise ConfigError(str(error)) from error
-    run_dir = Path(cfg.paths.output_dir)
-    return Plan(run_dir, trainer, loggers, callbacks, model_source=model_source,
-                ckpt_path=resolve_checkpoint(cfg.get("ckpt_path"), run_dir), **parts)
-
-
-def check_advantage_settings(advantage: DictConfig) -> None:
-    """Every key of `advantage` is a setting of its estimator: an algorithm's setting for another estimator
-    (algorithm=dr_grpo's advantage.scale=none) combined with advantage=rloo would otherwise end in a TypeError that
-    names neither."""
-    target = hydra.utils.get_class(advantage._target_)
-    parameters = inspect.signature(target).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return
-    for key in advantage:
-        if key != "_target_" and key not in parameters:
-            raise ValueError(
-                f"advantage.{key}={advantage[key]!r} is not a setting of {target.__name__} "
-                f"(advantage._target_={advantage._target_}), whose settings are {sorted(parameters)}: an algorithm "
-                f"(algorithm=dr_grpo sets advantage.scale) or an override set it for another estimator; drop it "
-                f"with ~advantage.{key}"
-            )
-
-
-def check_precision(trainer: L.Trainer) -> None:
-    """The RL step checks, logs and clips the true gradient norm before each optimizer step, so a GradScaler
-    (float16 mixed precision on a GPU), which multiplies the gradients by its loss scale, is refused. bf16-mixed
-    has none; on CPU Lightning runs 16-mixed as bf16-mixed."""
-    if getattr(trainer.precision_plugin, "scaler", None) is not None:
-        raise ValueError(
-            f"trainer.precision={trainer.precision!r} is invalid: its GradScaler scales the gradients, and the RL "
-            "step checks and clips their true norm; use bf16-mixed or 32-true"
-        )
-
-
-def check_rollout_correction(objective, rollout) -> None:
-    """A rollout correction reweights π_old (a trainer forward) toward the engine that sampled; with π_old
-    taken from the engine itself there is nothing to correct."""
-    correction = getattr(objective, "rollout_correction", "none")
-    if correction != "none" and rollout.logprobs_from_generation:
-        raise ValueError(
-            f"objective.rollout_correction={correction!r} is invalid with rollout.logprobs_from_generation=true: "
-            "it corrects a trainer-computed π_old toward the engine's samples, and π_old is then the engine's own; "
-            "set rollout.logprobs_from_generation=false"
-        )
-
-
-def warn_latex_only_reward(rewards, task) -> bool:
-    """reward=math_verify reads LaTeX answers only by default (TRL's accuracy reward), while task=hf's checker,
-    which scores eval/accuracy, reads plain answers too: "The answer is 42" would score 0 in training and count as
-    correct in evaluation. Warns (and returns True) where such a pair trains; latex_only=false makes them agree."""
-    def reads_latex_only(fn) -> bool:
-        settings = fn.keywords if isinstance(fn, functools.partial) else {}
-        return unwrapped(fn) is math_accuracy and settings.get("latex_only", True)
-
-    latex_only = [f.name for f in rewards.functions if reads_latex_only(f.fn)]
-    if not (latex_only and isinstance(task, HFDataset) and task.match == "math_verify"):
-        return False
-    log.warning("reward function %s reads LaTeX answers only (latex_only=true), while task=hf's checker, which scores "
-                "eval/accuracy, reads plain answers too (\"The answer is 42\"): training rewards less than evaluation "
-                "counts. Set reward.functions.<i>.latex_only=false to measure the same thing.", latex_only[0])
-    return True
-
-
-def warn_inexact_old_logprobs(from_generation: bool, device: str, precision: str) -> bool:
-    """On a GPU under 16-bit precision, π_old taken from generate's logits is not the training forward's: the
-    decode kernels (one position at a time over the KV cache) round differently from the full forward's. On an
-    H100 with bench_gpu (bf16) the per-sequence log-ratio reached 1.1e-3 to 1.7e-3 before any update, above GSPO's
-    clip range of 3e-4 / 4e-4, while a forward of its own gave 0 (scripts/old_logprob_exactness.py trainer=gpu,
-    docs/performance.md). On CPU it is exact under bf16 autocast too. Warns (and returns True) on a GPU in
-    16-bit precision with rollout.logprobs_from_generation=true: the paper's §5.4 mode, kept as chosen."""
-    if not (from_generation and device == "cuda" and precision.startswith(("bf16", "16"))):
-        return False
-    log.warning(
-        "rollout.logprobs_from_generation=true on a GPU under trainer.precision=%s: the old log-probs come from "
-        "the decode kernels, which round differently from the training forward (on an H100 in bf16 the sequence "
-        "log-ratio reached 1.7e-3 before any update, above GSPO's clip range of 3e-4 / 4e-4), so sequences clip "
-        "from rounding alone. Set rollout.logprobs_from_generation=false for a forward of their own (exact; one "
-        "no-grad forward per rollout), or keep it for the GSPO paper's §5.4 mode (engine likelihoods).", precision)
-    return True
-
-
-def check_model(model_source, routing, trainer: L.Trainer) -> None:
-    """What the model and the strategy must support, checked on the architecture alone (`skeleton()`, on the
-    meta device) before the cold start or any weights: routing replay needs an MoE with a routing adapter, and
-    trainer=fsdp (sharded weights) takes no LoRA. The rollout backend checks its own (`RolloutBackend.check`)."""
-    if routing.replay != "off":
-        find_routers(model_source.skeleton(), f"routing.replay={routing.replay}")  # raises for dense / unsupported
-    if isinstance(trainer.strategy, ModelParallelStrategy) and model_source.lora.enabled:
-        raise ValueError("model.lora.enabled=true is not supported with trainer=fsdp (untested); use "
-                         "trainer=ddp or full training")
-
-
-def resolve_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """`last` -> <run dir>/checkpoints/last.ckpt; any checkpoint must exist and load without running
-    pickled code (torch.load weights_only), else a ConfigError naming the file."""
-    if ckpt_path is None:
-        return None
-    path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path).expanduser()
-    if not path.is_file():
-        where = f"no checkpoints/last.ckpt in {run_dir} (set hydra.run.dir to the run to resume)" if ckpt_path == "last" else "no such file"
-        raise ConfigError(f"ckpt_path={ckpt_path!r}: {where}")
-    try:
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # checked, not read into memory
-    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise ConfigError(f"ckpt_path={ckpt_path!r}: {path} is not a readable checkpoint (corrupt or truncated?): {error}")
-    return str(path)
 
 
 def build(cfg: DictConfig) -> tuple[Plan, RLModule, dict]:

@@ -6,4 +6,5 @@ from gspo_lab.rollout.generation import generate, position_ids
 from gspo_lab.rollout.logprobs import token_logprobs
 from gspo_lab.rollout.prompts import PromptSchedule, StepTicks
 
-__all__ = ["Completions", "Generated", "PromptSchedule", "RolloutBatch", "StepTicks", "generate", "position_ids", "token_logprobs"]
+__all__ = ["Completions", "Generated", "PromptSchedule", "RolloutBatch", "StepTicks", "generate", "position_ids",
+           "token_logprobs"]
