@@ -181,7 +181,7 @@ def assert_on_policy(run_dir):
 def test_generation_logprobs_on_a_gpu_in_16_bit_are_warned_about(from_generation, device, precision, warned, caplog):
     """Measured on an H100: π_old from the decode kernels is off by more than GSPO's clip range in bf16; on CPU
     (exact under bf16 autocast too) and in float32, or with a forward of its own, nothing is said."""
-    with caplog.at_level(logging.WARNING, logger="gspo_lab.train"):
+    with caplog.at_level(logging.WARNING, logger="gspo_lab.plan"):
         assert warn_inexact_old_logprobs(from_generation, device, precision) is warned
     assert ("rollout.logprobs_from_generation=false" in caplog.text) is warned
 
@@ -196,7 +196,7 @@ def test_generation_logprobs_on_a_gpu_in_16_bit_are_warned_about(from_generation
 def test_a_latex_only_reward_beside_a_checker_reading_plain_answers_is_warned_about(functions, match, warned, caplog):
     """"The answer is 42" scored 0 in training (reward=math_verify) and counted in eval/accuracy (task=hf)."""
     task = HFDataset(rows=[{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(30)], match=match)
-    with caplog.at_level(logging.WARNING, logger="gspo_lab.train"):
+    with caplog.at_level(logging.WARNING, logger="gspo_lab.plan"):
         assert warn_latex_only_reward(build_rewards({"functions": functions, "num_workers": 0}, task), task) is warned
     assert ("latex_only=false to measure the same thing" in caplog.text) is warned
 
@@ -384,7 +384,7 @@ def test_gradients_are_scaled_exactly_when_torch_would_scale_them_by_less_than_1
 def test_training_16_bit_weights_warns_unless_adapters_train(lora, compose, rl_overrides, caplog):
     """bfloat16 weights lose AdamW steps below their spacing; PEFT's adapters stay float32 on a bfloat16 base."""
     _, module, _ = build(compose(rl_overrides + ["model.dtype=bfloat16", f"model.lora.enabled={lora}"]))
-    with caplog.at_level(logging.WARNING, logger="gspo_lab.module"):
+    with caplog.at_level(logging.WARNING, logger="gspo_lab.step.updater"):
         module.configure_optimizers()
     assert ("the trained weights are bfloat16 (model.dtype)" in caplog.text) is not lora
 

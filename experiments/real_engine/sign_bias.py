@@ -56,7 +56,7 @@ def main() -> None:
                                                   "train.eval_every=0", f"paths.output_dir={out}", "logger=[]",
                                                   "callbacks.progress.refresh_rate=0", *engine])
                 run, module, _ = build(cfg)
-                module.objective = recording = Recording(module.objective)
+                module.updater.objective = recording = Recording(module.updater.objective)
                 run.trainer.fit(module)
                 module.close()
             first += recording.calls[::cfg.train.minibatches]  # each step's first mini-batch

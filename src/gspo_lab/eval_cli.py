@@ -127,12 +127,14 @@ def check_tokenizer(model, tokenizer, checkpoint: str, source: str) -> None:
 def rollout_backend(cfg: DictConfig, model, setting: str) -> RolloutBackend | None:
     """The run's rollout backend where evaluation generates through it (eval.engine=rollout and a backend that
     serves evaluations: vLLM's), as in training; None where transformers evaluates the model itself."""
+    if setting != "rollout":
+        return None
     try:
         rollout = instantiate(cfg.rollout)
         serves = backend_class(rollout.backend).serves_evaluation
     except Exception as error:  # noqa: BLE001 - Hydra wraps the dataclass's ValueError
         raise EvalError(str(error.__cause__ or error)) from None
-    if setting != "rollout" or not serves:
+    if not serves:
         return None
     try:
         return build_backend(model, rollout)

@@ -95,7 +95,7 @@ class RLModule(L.LightningModule):
         self.model.train()  # what Lightning expects at the start of fit; RL itself runs in eval mode (on_train_start)
         if train.lm_head_fp32:  # before the reference and an engine copy are made: they keep it
             fp32_lm_head(model)
-        self.objective, self.optimizer_factory = objective, optimizer
+        self.optimizer_factory = optimizer
         # the KL penalty's reference: the starting policy (the cold start, or the initial model), frozen; under
         # LoRA the same model with its adapters disabled
         self.lora = lora
@@ -119,6 +119,11 @@ class RLModule(L.LightningModule):
                                           self.rewards, advantage, rollout, train.shuffle_rewards, kl_penalty)
         self.updater = Updater(model, objective, self.policy, self.routing, self.probe, train,
                                backward=self.manual_backward, save_last=self.save_last_checkpoint)
+
+    @property
+    def objective(self) -> Objective:
+        """The objective the updates optimise (the updater's: replace it there)."""
+        return self.updater.objective
 
     # ---- Lightning plumbing -------------------------------------------------------------------------------
 

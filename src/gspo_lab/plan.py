@@ -62,6 +62,7 @@ def plan(cfg: DictConfig) -> Plan:
         check_advantage_settings(cfg.advantage)
         parts = {k: instantiate(cfg[k]) for k in ("rollout", "train", "routing", "task", "objective", "advantage",
                                                    "optimizer")}
+        backend = backend_class(parts["rollout"].backend)  # a name the registry has, its module imported
         model_source = instantiate(cfg.model)  # the model source checks its own settings; weights load later
         parts["prompt"] = instantiate(cfg.prompt)
         parts["rewards"] = build_rewards(cfg.reward, parts["task"], parts["train"].on_reward_error)
@@ -79,11 +80,12 @@ def plan(cfg: DictConfig) -> Plan:
                                   str(trainer.precision))
         if parts["train"].micro_batch_size is not None:
             check_splittable(parts["objective"])
-        check_model(model_source, parts["routing"], trainer)
-        backend_class(parts["rollout"].backend).check(RunSettings(
-            parts["rollout"], parts["train"], parts["routing"], parts["evaluation"].settings, model_source,
-            "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
-            isinstance(trainer.strategy, ModelParallelStrategy), trainer.num_nodes))
+        if parts["routing"].replay != "off":  # raises for a dense or unsupported MoE
+            find_routers(model_source.skeleton(), f"routing.replay={parts['routing'].replay}")
+        backend.check(RunSettings(parts["rollout"], parts["train"], parts["routing"], parts["evaluation"].settings,
+                                  model_source, "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
+                                  isinstance(trainer.strategy, ModelParallelStrategy), trainer.num_nodes))
+        check_strategy(model_source, trainer)
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error
     except (ValueError, FileNotFoundError) as error:
@@ -169,12 +171,9 @@ def warn_inexact_old_logprobs(from_generation: bool, device: str, precision: str
     return True
 
 
-def check_model(model_source, routing, trainer: L.Trainer) -> None:
-    """What the model and the strategy must support, checked on the architecture alone (`skeleton()`, on the
-    meta device) before the cold start or any weights: routing replay needs an MoE with a routing adapter, and
-    trainer=fsdp (sharded weights) takes no LoRA. The rollout backend checks its own (`RolloutBackend.check`)."""
-    if routing.replay != "off":
-        find_routers(model_source.skeleton(), f"routing.replay={routing.replay}")  # raises for dense / unsupported
+def check_strategy(model_source, trainer: L.Trainer) -> None:
+    """trainer=fsdp (sharded weights) takes no LoRA. Checked, as routing replay's MoE and the rollout backend's
+    needs, on the architecture alone before the cold start or any weights."""
     if isinstance(trainer.strategy, ModelParallelStrategy) and model_source.lora.enabled:
         raise ValueError("model.lora.enabled=true is not supported with trainer=fsdp (untested); use "
                          "trainer=ddp or full training")

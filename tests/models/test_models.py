@@ -156,7 +156,7 @@ def test_gradient_checkpointing_recomputes_every_block_in_either_mode(mode):
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("tiny_*.yaml")) + ["small_moe"])
 def test_the_skeleton_a_plan_checks_has_the_loaded_models_routers(name):
-    """train.check_model decides on the architecture built on the meta device; it must see what loading builds."""
+    """The plan decides on the architecture built on the meta device; it must see what loading builds."""
     source = instantiate(OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{name}.yaml"))
     skeleton = source.skeleton()
     assert all(p.device.type == "meta" for p in skeleton.parameters())  # nothing allocated

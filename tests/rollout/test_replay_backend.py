@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gspo_lab.rollout.backend import Sampling
+from gspo_lab.rollout.backend import Sampling, backend_class
 from gspo_lab.rollout.replay import ReplayBackend
 from gspo_lab.train import ConfigError, build, plan
 
@@ -76,3 +76,10 @@ def test_a_malformed_recording_names_its_file_and_line(compose, tmp_path):
     path.write_text('{"prompt": "1+1=", "completions": ["2"]}\n{"prompt": "2+2=", "completions": []}\n')
     with pytest.raises(ConfigError, match=r"recorded.jsonl, line 2: must be"):
         plan(compose(["rollout=replay", f"rollout.options.path={path}", f"paths.output_dir={tmp_path}"]))
+
+
+def test_a_backend_of_your_own_package_is_named_by_its_path(compose, tmp_path):
+    """rollout.backend takes a registry name or "package.module:Class"; an unimportable one is refused by name."""
+    assert backend_class("gspo_lab.rollout.replay:ReplayBackend") is backend_class("replay") is ReplayBackend
+    with pytest.raises(ConfigError, match=r"rollout.backend='my_pkg.backends:Mine': cannot import Mine from my_pkg"):
+        plan(compose(["rollout.backend=my_pkg.backends:Mine", f"paths.output_dir={tmp_path}"]))

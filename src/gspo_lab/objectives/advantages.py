@@ -13,7 +13,7 @@ its prompt (its group of `group_size`, groups contiguous in the rollout batch).
 An estimator is called `estimator(rewards, group_size, **inputs)`: rewards [N] are the weighted totals, NaN for
 a completion that no reward function scored (each returned None: unscorable), and `inputs` holds the further
 tensors its class attribute `inputs` names, which the rollout passes (`scored_advantages`, from
-gspo_lab.rollout.collection): `components` [N, F] (each reward function's rewards, NaN where it did not apply),
+gspo_lab.step.collector): `components` [N, F] (each reward function's rewards, NaN where it did not apply),
 `weights` [F] (the functions' weights) and `token_counts` [N] (each completion's tokens in the loss).
 
 An unscorable completion takes no part in any mean, std, leave-one-out sum or token count, and its advantage is 0,

@@ -118,12 +118,16 @@ class RolloutBackend(Protocol):
 
 
 def backend_class(name: str) -> type[RolloutBackend]:
-    """The class `BACKENDS` names for rollout.backend=`name`, its module imported now; ValueError for another
-    name."""
-    if name not in BACKENDS:
-        raise ValueError(f"rollout.backend={name!r} is invalid: must be one of {list(BACKENDS)}")
-    module, _, cls = BACKENDS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+    """The class `BACKENDS` names for rollout.backend=`name`, or a class of your own package named as
+    "package.module:Class"; its module imported now. ValueError for another name."""
+    if name not in BACKENDS and ":" not in name:
+        raise ValueError(f"rollout.backend={name!r} is invalid: must be one of {list(BACKENDS)}, or a class of "
+                         "your own as 'package.module:Class'")
+    module, _, cls = BACKENDS.get(name, name).partition(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"rollout.backend={name!r}: cannot import {cls} from {module} ({error})") from None
 
 
 def build_backend(model: torch.nn.Module, rollout: RolloutConfig) -> RolloutBackend:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gspo_lab.rollout.generation import Completions
+from gspo_lab.rollout.completions import Completions
 from gspo_lab.routing.trace import RoutingTrace
 from gspo_lab.tasks.base import Example
 from gspo_lab.tensors import zero_std_groups

@@ -5,8 +5,9 @@ update on known completions, with nothing left to sampling.
     gspo-train rollout=replay rollout.options.path=recorded.jsonl
 
 Each line of the file: {"prompt": <the model input, as the run's prompt format renders it>, "completions": [<text>,
-...]}. The k-th time a prompt is asked for, it gets its k-th recorded completion (cycling through them), ended with
-the tokenizer's EOS and cut at max_new_tokens. The log-probs returned are the trainer's own of those tokens (a
+...]}. The j-th row of a prompt in a `generate` call (a group's j-th completion) gets its j-th recorded completion
+(cycling through them), ended with the tokenizer's EOS and cut at max_new_tokens: nothing depends on earlier steps,
+so a resumed run replays what an uninterrupted one would. The log-probs returned are the trainer's own of those tokens (a
 no-grad forward of the policy as it stands at the rollout), as an engine's of its own samples would be.
 """
 
@@ -37,7 +38,6 @@ class ReplayBackend:
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.model = model
         self.recorded = load_recorded(recording(rollout.options))
-        self.served: Counter[str] = Counter()  # how often each prompt was asked for
 
     @classmethod
     def check(cls, run: RunSettings) -> None:
@@ -64,7 +64,11 @@ class ReplayBackend:
     def generate(self, tokenizer, prompts: list[str], sampling: Sampling, row_seeds: Tensor | None = None,
                  routing=None) -> Generated:
         """Each prompt's next recorded completion, with the policy's log-probs of its tokens; no routing trace."""
-        texts = [self.next_completion(prompt) for prompt in prompts]
+        seen: Counter[str] = Counter()  # each prompt's rows so far in this call
+        texts = []
+        for prompt in prompts:
+            texts.append(self.completion(prompt, seen[prompt]))
+            seen[prompt] += 1
         device = next(self.model.parameters()).device
         encoded = tokenizer(prompts, return_tensors="pt", padding=True,
                             add_special_tokens=sampling.add_special_tokens).to(device)
@@ -88,12 +92,12 @@ class ReplayBackend:
                     sampling.temperature)[0] * completions.completion_mask
         return Generated(completions)
 
-    def next_completion(self, prompt: str) -> str:
+    def completion(self, prompt: str, index: int) -> str:
+        """The prompt's `index`-th recorded completion, cycling."""
         if prompt not in self.recorded:
             raise ValueError(f"rollout.backend=replay: no completions recorded for the prompt {prompt!r}")
         completions = self.recorded[prompt]
-        self.served[prompt] += 1
-        return completions[(self.served[prompt] - 1) % len(completions)]
+        return completions[index % len(completions)]
 
 
 def recording(options: dict) -> Path:
