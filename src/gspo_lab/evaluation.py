@@ -250,7 +250,8 @@ class Evaluator:
         metrics["time/eval_s"] = time.perf_counter() - started
         return metrics, rows
 
-    def _decode(self, backend: RolloutBackend, tokenizer, eval_set: EvalSet, examples: list[Example], numbers: list[int], n: int,
+    def _decode(self, backend: RolloutBackend, tokenizer, eval_set: EvalSet, examples: list[Example],
+                numbers: list[int], n: int,
                 greedy: bool, progress) -> Decoded:
         """n completions of each example (one when `greedy`), batch_size completions per `generate` call; sample j
         of the set's prompt i (`numbers`: each example's i) is seeded from (seed, set, j, i)."""

@@ -6,9 +6,10 @@ update on known completions, with nothing left to sampling.
 
 Each line of the file: {"prompt": <the model input, as the run's prompt format renders it>, "completions": [<text>,
 ...]}. The j-th row of a prompt in a `generate` call (a group's j-th completion) gets its j-th recorded completion
-(cycling through them), ended with the tokenizer's EOS and cut at max_new_tokens: nothing depends on earlier steps,
-so a resumed run replays what an uninterrupted one would. The log-probs returned are the trainer's own of those tokens (a
-no-grad forward of the policy as it stands at the rollout), as an engine's of its own samples would be.
+(cycling through them), ended with the tokenizer's EOS and cut at max_new_tokens: nothing depends on earlier
+steps, so a resumed run replays what an uninterrupted one would. The log-probs returned are the trainer's own of
+those tokens (a no-grad forward of the policy as it stands at the rollout), as an engine's of its own samples
+would be.
 """
 
 from __future__ import annotations
