@@ -74,7 +74,7 @@ def test_bad_replay_settings_are_refused_at_plan_time(extra, match, compose, tmp
 def test_a_malformed_recording_names_its_file_and_line(compose, tmp_path):
     path = tmp_path / "recorded.jsonl"
     path.write_text('{"prompt": "1+1=", "completions": ["2"]}\n{"prompt": "2+2=", "completions": []}\n')
-    with pytest.raises(ConfigError, match=r"recorded.jsonl, line 2: must be"):
+    with pytest.raises(ConfigError, match=r"recorded.jsonl:2: must be"):
         plan(compose(["rollout=replay", f"rollout.options.path={path}", f"paths.output_dir={tmp_path}"]))
 
 

@@ -14,7 +14,6 @@ would be.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import ClassVar
@@ -26,6 +25,7 @@ from gspo_lab.config import RolloutConfig
 from gspo_lab.rollout.backend import RunSettings, Sampling
 from gspo_lab.rollout.completions import Generated, cut_at_stop, stop_ids
 from gspo_lab.rollout.logprobs import token_logprobs
+from gspo_lab.tasks.jsonl import json_lines
 
 SETTINGS = ("path",)  # rollout.options.*
 
@@ -64,7 +64,8 @@ class ReplayBackend:
 
     def generate(self, tokenizer, prompts: list[str], sampling: Sampling, row_seeds: Tensor | None = None,
                  routing=None) -> Generated:
-        """Each prompt's next recorded completion, with the policy's log-probs of its tokens; no routing trace."""
+        """Each prompt's recorded completion for its place in the call, with the policy's log-probs of its tokens;
+        no routing trace."""
         seen: Counter[str] = Counter()  # each prompt's rows so far in this call
         texts = []
         for prompt in prompts:
@@ -113,18 +114,12 @@ def load_recorded(path: Path) -> dict[str, list[str]]:
     if not path.is_file():
         raise ValueError(f"rollout.options.path={str(path)!r}: no such file")
     recorded: dict[str, list[str]] = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}, line {number}: not JSON ({error})") from None
+    for where, row in json_lines(path):
         row = row if isinstance(row, dict) else {}
         completions = row.get("completions")
         if not (isinstance(row.get("prompt"), str) and isinstance(completions, list) and completions
                 and all(isinstance(c, str) for c in completions)):
-            raise ValueError(f"{path}, line {number}: must be {{\"prompt\": <text>, \"completions\": [<text>, ...]}} "
-                             "with at least one completion")
+            raise ValueError(f"{where}: must be {{\"prompt\": <text>, \"completions\": [<text>, ...]}} with at "
+                             "least one completion")
         recorded.setdefault(row["prompt"], []).extend(completions)
     return recorded

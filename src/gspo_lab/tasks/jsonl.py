@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from gspo_lab.tasks.base import SPLITS, Example, Task
 
@@ -26,19 +28,23 @@ def read_jsonl(path: str | Path) -> list[Example]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"task.path={str(path)!r}: no such file")
-    records = []
+    records = [_check(record, where) for where, record in json_lines(path)]
+    if not records:
+        raise ValueError(f"{path}: no records (expected one JSON object per line)")
+    return records
+
+
+def json_lines(path: Path) -> Iterator[tuple[str, Any]]:
+    """Each non-blank line of the JSONL file `path`, parsed, with where it stands ("<path>:<line>"); ValueError
+    naming that place for a line that is not JSON."""
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield f"{path}:{number}", json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-            records.append(_check(record, f"{path}:{number}"))
-    if not records:
-        raise ValueError(f"{path}: no records (expected one JSON object per line)")
-    return records
 
 
 def _check(record, where: str) -> Example:
