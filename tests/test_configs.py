@@ -16,6 +16,7 @@ from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
 from gspo_lab.objectives import GRPO, GSPO, GSPOToken, Objective
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import build_rewards
+from gspo_lab.rollout.multi_turn import final_text
 from gspo_lab.sft import SFTConfig
 
 CONF = Path(CONFIG_DIR)
@@ -51,7 +52,10 @@ def test_task_options(name, compose, tmp_path):
         overrides.append(f"task.path={data}")
     task = instantiate(compose(overrides).task)
     example = task.examples("train", 3, seed=0)[0]
-    assert task.reward(example, task.demonstration(example)) == 1.0
+    demonstration = task.demonstration(example)
+    if not isinstance(demonstration, str):  # multi-turn: the checker reads the last turn
+        demonstration = final_text(demonstration)
+    assert task.reward(example, demonstration) == 1.0
 
 
 @pytest.mark.parametrize("name", options("reward"))
@@ -144,7 +148,7 @@ def test_algorithms(name, cls, replay, compose):
 
 # objectives composed from the axes in YAML
 COMPOSED = ["cispo", "clip_cov", "dapo", "dppo_kl", "dppo_tv", "dr_grpo", "dro", "gmpo", "gpg", "gspo_clip_cov",
-            "gspo_kl_cov", "kl_cov", "luspo", "sapo", "vespo"]
+            "gspo_kl_cov", "gspo_turn", "kl_cov", "luspo", "sapo", "vespo"]
 
 
 @pytest.mark.parametrize("name", COMPOSED)

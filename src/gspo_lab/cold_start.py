@@ -104,6 +104,8 @@ def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, 
     finally:
         if module.grader is not None:
             module.grader.close()
+        if module.tool_runner is not None:
+            module.tool_runner.close()
     if acc < sft.target_accuracy:
         log.warning("cold start ended at step %d with held-out accuracy %.3f < target %.3f", step, acc, sft.target_accuracy)
     info = {"accuracy": acc, "steps": step, "seconds": round(seconds, 2), "history": module.history, "seed": seed}

@@ -135,6 +135,12 @@ class RolloutConfig:
         engine: how the hf engine differs from the trainer (`EngineConfig`; the default: not at all).
         vllm: vLLM's settings (`VLLMConfig`), for backend=vllm.
         options: the settings of any other backend, which its class checks (`RolloutBackend.check`).
+        max_tool_calls: for a task with tools or an environment (multi-turn, gspo_lab.rollout.multi_turn): the
+            rounds of tool calls a trajectory may make (TRL's max_tool_calling_iterations; None: until its
+            length budget, max_new_tokens, which covers the model's and the tools' tokens together).
+        max_tool_response_tokens: a tool result is cut to this many tokens (None: whole).
+        tool_workers: worker processes that run tools and environments (row r's in worker r mod tool_workers).
+        tool_timeout_s: a tool call still running after this is a timeout: its worker is killed.
     """
 
     prompts_per_step: int = 16
@@ -154,10 +160,22 @@ class RolloutConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     options: dict = field(default_factory=dict)
+    max_tool_calls: int | None = None
+    max_tool_response_tokens: int | None = None
+    tool_workers: int = 2
+    tool_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.backend, str), "rollout.backend", self.backend,
                  "must name a backend (gspo_lab.rollout.backend.BACKENDS)")
+        for key in ("max_tool_calls", "max_tool_response_tokens"):
+            value = getattr(self, key)
+            _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                     f"rollout.{key}", value, "must be null or an integer >= 1")
+        _require(isinstance(self.tool_workers, int) and self.tool_workers >= 1, "rollout.tool_workers",
+                 self.tool_workers, "must be an integer >= 1")
+        _require(isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0, "rollout.tool_timeout_s",
+                 self.tool_timeout_s, "must be a number > 0")
         if self.logprobs_from_generation is None:
             self.logprobs_from_generation = self.backend == "hf" and self.engine.is_trainer
         _require(isinstance(self.logprobs_from_generation, bool), "rollout.logprobs_from_generation",

@@ -78,13 +78,17 @@ class EvalPlan:
             elif own:
                 check_context(model, tokenizer, spec.task, budget, spec.prompt.bind(tokenizer))
 
-    def evaluator(self, tokenizer, max_new_tokens: int, stop_token_ids, seed: int) -> Evaluator:
+    def evaluator(self, tokenizer, max_new_tokens: int, stop_token_ids, seed: int, agent_of=None) -> Evaluator:
+        """The evaluator of these sets for `tokenizer`; `agent_of(task)`: the multi-turn loop a set's task runs
+        (gspo_lab.rollout.multi_turn.MultiTurn, None for a single-turn task)."""
         sets = []
         for spec in self.specs:
             examples = spec.task.eval_examples()
             examples = examples[: spec.size] if spec.size else examples
             grader = self.grader if spec.task.checker_may_hang else None
-            sets.append(EvalSet(spec.name, spec.task, examples, spec.prompt.bind(tokenizer), spec.rewards, grader))
+            agent = agent_of(spec.task) if agent_of is not None else None
+            sets.append(EvalSet(spec.name, spec.task, examples, spec.prompt.bind(tokenizer), spec.rewards, grader,
+                                agent))
         return Evaluator(sets, self.settings, max_new_tokens, stop_token_ids, seed)
 
     def close(self) -> None:

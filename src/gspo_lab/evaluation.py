@@ -42,6 +42,7 @@ from gspo_lab.rollout.backend import RolloutBackend, Sampling
 from gspo_lab.rollout.completions import reward_inputs
 from gspo_lab.rollout.engine import RolloutEngine
 from gspo_lab.rollout.generation import generate
+from gspo_lab.rollout.multi_turn import MultiTurn, generate_rows, trajectories
 from gspo_lab.seeding import stream_seed
 from gspo_lab.tasks.base import Example, Task
 from gspo_lab.tasks.checks import Checker, grade
@@ -63,16 +64,26 @@ def accuracy(
     render: Renderer | None = None,
     stop_token_ids: Sequence[int] = (),
     grader: GradingPool | None = None,
+    agent: MultiTurn | None = None,
 ) -> float:
     """Fraction of `examples` a task's `checker` accepts; greedy unless a sampling temperature is given. Prompts
     are formatted by `render` (gspo_lab.prompts; default: the prompt text as it is); the checker runs in `grader`'s
     killable workers when given (a check that times out counts as wrong), else in this process. Pass the same
-    checker to every evaluation: a grading pool sends each checker, and so the task's data, to each worker once."""
+    checker to every evaluation: a grading pool sends each checker, and so the task's data, to each worker once.
+    A task with tools runs `agent`'s multi-turn loop (gspo_lab.rollout.multi_turn) on `model`."""
     if not examples:
         raise ValueError(f"{type(checker.task).__name__}: no evaluation examples to score")
     correct = 0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
+        if agent is not None:
+            sampling = Sampling(max_new_tokens, temperature or 1.0, greedy=temperature is None,
+                                stop_token_ids=tuple(stop_token_ids), add_special_tokens=render.add_special_tokens,
+                                share_prompts=False, logprobs=False)
+            completions = agent.generate(RolloutEngine(model, RolloutConfig()), tokenizer, render, chunk, sampling,
+                                         None).completions
+            correct += sum(grade(checker, chunk, completions.texts, False, grader).correct)
+            continue
         completions = generate(
             model,
             tokenizer,
@@ -163,6 +174,7 @@ class EvalSet:
     render: Renderer
     rewards: WeightedRewards | None = None
     grader: GradingPool | None = None
+    agent: MultiTurn | None = None  # the multi-turn loop of a task with tools (gspo_lab.rollout.multi_turn)
     checker: Checker = field(init=False)
 
     def __post_init__(self) -> None:
@@ -179,11 +191,13 @@ class Decoded:
     answers: list[str | None]
     rewards: dict[str, list[float]]  # function -> reward of each completion (NaN where it did not apply)
     failures: list[bool] = field(default_factory=list)  # the completion's check timed out or raised
+    trajectories: list[str | None] = field(default_factory=list)  # multi-turn: each turn, tool results marked
 
     def first(self, count: int) -> Decoded:
         """The first `count` completions (a rank's own, without the padding of its share)."""
         return Decoded(self.texts[:count], self.lengths[:count], self.correct[:count], self.answers[:count],
-                       {name: values[:count] for name, values in self.rewards.items()}, self.failures[:count])
+                       {name: values[:count] for name, values in self.rewards.items()}, self.failures[:count],
+                       self.trajectories[:count])
 
 
 class Evaluator:
@@ -265,9 +279,12 @@ class Evaluator:
             sampling = Sampling(self.max_new_tokens, self.settings.temperature, self.settings.top_p, greedy=greedy,
                                 stop_token_ids=tuple(self.stop_token_ids), share_prompts=n > 1, logprobs=False,
                                 add_special_tokens=eval_set.render.add_special_tokens)
-            out = backend.generate(tokenizer, eval_set.render.texts(chunk), sampling, seeds).completions
+            generated = generate_rows(backend, tokenizer, eval_set.render, chunk, sampling, seeds,
+                                      agent=eval_set.agent)
+            out = generated.completions
             decoded.texts += out.texts
-            decoded.lengths += out.completion_mask.sum(-1).tolist()
+            decoded.lengths += out.policy_mask.sum(-1).tolist()  # the model's tokens
+            decoded.trajectories += trajectories(tokenizer, out)
             # answers are extracted only for maj@k, which sampling with some k reports
             graded = grade(eval_set.checker, chunk, out.texts, not greedy and bool(self.settings.k), eval_set.grader)
             decoded.correct, decoded.answers = decoded.correct + graded.correct, decoded.answers + graded.answers
@@ -276,7 +293,7 @@ class Evaluator:
                 log.warning("eval set %s: %d of %d checks failed and count as wrong (eval/%s/grading_failures); the "
                             "first: %s", eval_set.name, sum(graded.failed), len(chunk), eval_set.name, graded.detail)
             if eval_set.rewards is not None:
-                scores = eval_set.rewards.score(*reward_inputs(chunk, out),
+                scores = eval_set.rewards.score(*reward_inputs(chunk, out, generated.extra),
                                                 where=lambda i: f"eval set {eval_set.name}, completion {i}")
                 for name, values in scores.per_function.items():
                     decoded.rewards.setdefault(name, []).extend(values.tolist())
@@ -334,6 +351,7 @@ class Evaluator:
                         "completion": decoded.texts[c], "tokens": decoded.lengths[c], "answer": decoded.answers[c],
                         "correct": decoded.correct[c],
                         "rewards": {name: values[c] for name, values in decoded.rewards.items()},
+                        **({"trajectory": decoded.trajectories[c]} if decoded.trajectories[c] is not None else {}),
                     })
         return rows
 

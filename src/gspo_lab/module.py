@@ -38,6 +38,7 @@ from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards
 from gspo_lab.rollout import PromptSchedule, StepTicks
 from gspo_lab.rollout.backend import build_backend
+from gspo_lab.rollout.multi_turn import MultiTurn
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
 from gspo_lab.sharding import is_sharded, shard
@@ -48,6 +49,7 @@ from gspo_lab.step.probe import MismatchProbe
 from gspo_lab.step.ranks import Ranks
 from gspo_lab.step.updater import TooManySkippedUpdates, Updater, warn_half_precision_weights
 from gspo_lab.tasks.base import Task
+from gspo_lab.tools import ToolRunner
 
 __all__ = ["RLModule", "TooManySkippedUpdates"]
 
@@ -105,9 +107,20 @@ class RLModule(L.LightningModule):
         self.routing = RoutingReplay(model, routing.replay, diagnostics_rows=routing.diagnostics_rows)
         self.engine = build_backend(model, rollout)  # hf: the trainer's model itself unless configured
         self.render = (prompt or PromptFormat()).bind(tokenizer)
+        # tools and environments of a multi-turn task run in these workers (started on first use)
+        self.tool_runner = ToolRunner(rollout.tool_workers, rollout.tool_timeout_s)
+        chat_kwargs = self.render.format.chat_template_kwargs
+
+        def agent_of(of_task: Task) -> MultiTurn | None:
+            agent = MultiTurn.of(of_task, rollout, self.tool_runner, chat_kwargs)
+            if agent is not None:
+                agent.check(tokenizer)
+            return agent
+
         self.evaluation = evaluation or EvalPlan(EvalSettings(), [SetSpec(HELDOUT, task, prompt or PromptFormat(),
                                                                           None, None)])
-        self.evaluator = self.evaluation.evaluator(tokenizer, rollout.max_new_tokens, rollout.stop_token_ids, seed)
+        self.evaluator = self.evaluation.evaluator(tokenizer, rollout.max_new_tokens, rollout.stop_token_ids, seed,
+                                                   agent_of)
         self.rl_step = 0  # RL steps completed; saved in checkpoints
         self.history: list[dict[str, float]] = []  # every logged row (rank 0's view), saved in checkpoints
         self.rewards = rewards or WeightedRewards([RewardFunction(TaskReward(task))], on_error=train.on_reward_error)
@@ -116,7 +129,8 @@ class RLModule(L.LightningModule):
         self.probe = MismatchProbe(self.routing, self.policy, train.minibatches, routing.diagnostics_every)
         self.collector = RolloutCollector(self.engine, self.policy, self.probe, self.routing,
                                           PromptSchedule(task, rollout.prompts_per_step, seed), self.render, tokenizer,
-                                          self.rewards, advantage, rollout, train.shuffle_rewards, kl_penalty)
+                                          self.rewards, advantage, rollout, train.shuffle_rewards, kl_penalty,
+                                          agent_of(task))
         self.updater = Updater(model, objective, self.policy, self.routing, self.probe, train,
                                backward=self.manual_backward, save_last=self.save_last_checkpoint)
 
@@ -199,6 +213,7 @@ class RLModule(L.LightningModule):
             self.rewards.runner.close()
         self.evaluation.close()
         self.engine.close()
+        self.tool_runner.close()
 
     # ---- one RL step --------------------------------------------------------------------------------------
 

@@ -86,6 +86,7 @@ def plan(cfg: DictConfig) -> Plan:
                                   model_source, "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
                                   isinstance(trainer.strategy, ModelParallelStrategy), trainer.num_nodes))
         check_strategy(model_source, trainer)
+        check_multi_turn(parts["task"], parts["rollout"], parts["routing"])
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error
     except (ValueError, FileNotFoundError) as error:
@@ -93,6 +94,21 @@ def plan(cfg: DictConfig) -> Plan:
     run_dir = Path(cfg.paths.output_dir)
     return Plan(run_dir, trainer, loggers, callbacks, model_source=model_source,
                 ckpt_path=resolve_checkpoint(cfg.get("ckpt_path"), run_dir), **parts)
+
+
+def check_multi_turn(task, rollout, routing) -> None:
+    """A task with tools or an environment (multi-turn, gspo_lab.rollout.multi_turn) on what supports it: a
+    backend that continues from token ids (hf, vllm), and routing replay r2 or none (r3 records the engine's
+    experts per turn, which the loop does not stitch into one trajectory yet)."""
+    if task.toolset is None:
+        return
+    if rollout.backend == "replay":
+        raise ValueError("rollout.backend=replay with task.tools or task.environment: a recorded completion cannot "
+                         "answer a tool result; use rollout.backend=hf or vllm")
+    if routing.replay == "r3":
+        raise ValueError("routing.replay=r3 with task.tools or task.environment: the engine's experts are recorded "
+                         "per turn and not yet stitched into one trajectory; use routing.replay=r2, which records "
+                         "every position of the whole trajectory in the old-policy forward")
 
 
 def check_advantage_settings(advantage: DictConfig) -> None:

@@ -15,12 +15,16 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from gspo_lab.config import RolloutConfig
 from gspo_lab.evaluation import accuracy
 from gspo_lab.grading import GradingPool
 from gspo_lab.tasks.checks import Checker
 from gspo_lab.prompts import Renderer
+from gspo_lab.rollout.multi_turn import MultiTurn
 from gspo_lab.seeding import SFT_DEMONSTRATIONS, stream_seed
 from gspo_lab.tasks.base import Task
+from gspo_lab.tools import ToolRunner
+from gspo_lab.tools.template import demonstration_ids
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,8 @@ class Demonstrations(IterableDataset):
     def __init__(self, task: Task, tokenizer, batch_size: int, seed: int, render: Renderer | None = None) -> None:
         self.task, self.tokenizer, self.batch_size, self.seed = task, tokenizer, batch_size, seed
         self.render = render  # the prompt format (gspo_lab.prompts); None: the prompt text as it is
+        self.tools = task.toolset.schemas() if task.toolset is not None else None  # what the chat template lists
+        self.chat_template_kwargs = render.format.chat_template_kwargs if render is not None else {}
 
     def __iter__(self):
         step = 0
@@ -99,11 +105,17 @@ class Demonstrations(IterableDataset):
             if self.render is None:
                 prompt = tok(example.prompt)["input_ids"]
             else:
-                prompt = tok(self.render.text(example), add_special_tokens=self.render.add_special_tokens)["input_ids"]
-            completion = tok(self.task.demonstration(example), add_special_tokens=False)["input_ids"]
-            completion = completion + [tok.eos_token_id]
+                text = self.render.text(example, tools=self.tools)
+                prompt = tok(text, add_special_tokens=self.render.add_special_tokens)["input_ids"]
+            demonstration = self.task.demonstration(example)
+            if isinstance(demonstration, str):
+                completion = tok(demonstration, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                mine = [1] * len(completion)
+            else:  # multi-turn: the model's turns, and the tools' results (context, out of the loss)
+                completion, mine = demonstration_ids(tok, demonstration, self.chat_template_kwargs)
             rows.append(prompt + completion)
-            labels.append([-100] * len(prompt) + completion)  # loss on completion + EOS only
+            # loss on the model's completion tokens (and EOS) only
+            labels.append([-100] * len(prompt) + [t if m else -100 for t, m in zip(completion, mine)])
         width = max(len(r) for r in rows)
         pad = [width - len(r) for r in rows]
         return {
@@ -130,6 +142,12 @@ class SFTModule(L.LightningModule):
         # crosses to once for every evaluation; the caller closes the worker
         self.checker = Checker(task)
         self.grader = GradingPool(1, GRADING_TIMEOUT_S) if task.checker_may_hang else None
+        # a task with tools evaluates through the multi-turn loop, its tools in a worker of their own
+        self.tool_runner = ToolRunner(1, GRADING_TIMEOUT_S) if task.toolset is not None else None
+        self.agent = None
+        if self.tool_runner is not None:
+            kwargs = render.format.chat_template_kwargs if render is not None else {}
+            self.agent = MultiTurn.of(task, RolloutConfig(), self.tool_runner, kwargs)
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch, use_cache=False).loss  # no KV cache to build (and none under checkpointing)
@@ -143,7 +161,7 @@ class SFTModule(L.LightningModule):
 
     def evaluate(self, step: int) -> float:
         acc = accuracy(self.model, self.tokenizer, self.checker, self.eval_set, self.config.max_new_tokens,
-                       render=self.render, grader=self.grader)
+                       render=self.render, grader=self.grader, agent=self.agent)
         self.history.append((step, acc))
         self.log("sft/eval_accuracy", acc, prog_bar=True)
         log.info("sft step %d: held-out accuracy %.3f", step, acc)

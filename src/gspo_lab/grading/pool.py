@@ -183,6 +183,7 @@ class GradingPool:
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self.workers: list[Worker] = []
         self.functions: dict[int, Callable] = {}  # key -> function: held, so a key is never another's id
+        self.replaced = 0  # workers replaced since the pool began (what they held is gone: gspo_lab.tools.runner)
         self._finalizer = weakref.finalize(self, _close, self.workers)
 
     def __call__(self, calls: list[tuple[Callable, tuple, dict]]) -> list[Outcome]:
@@ -224,7 +225,7 @@ class GradingPool:
         except OSError:  # it died since its last call
             outcomes[job] = Outcome(failure="error", detail=worker.death())
             worker.kill()
-            self.workers[k] = Worker()
+            self._replace(k)
             return
         worker.job, worker.started = job, time.monotonic()
 
@@ -255,7 +256,7 @@ class GradingPool:
         outcomes[job] = Outcome(failure="error", detail=worker.death() if dead else
                                 f"its function was not loaded within {STARTUP_TIMEOUT_S} s")
         worker.kill()
-        self.workers[k] = Worker()
+        self._replace(k)
         return False
 
     def _collect(self, k: int, worker: Worker, ready: bool, calls: list, outcomes: list) -> None:
@@ -277,7 +278,12 @@ class GradingPool:
         else:
             return
         worker.kill()
+        self._replace(k)
+
+    def _replace(self, k: int) -> None:
+        """A new worker in place of worker k (dead, or killed at a timeout); counted in `replaced`."""
         self.workers[k] = Worker()
+        self.replaced += 1
 
     def close(self) -> None:
         """Stop the workers (a later call starts new ones)."""

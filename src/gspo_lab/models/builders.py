@@ -25,6 +25,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from gspo_lab.models.lora import LoraSettings
 from gspo_lab.models.tokenizer import char_tokenizer, check_bpe_vocab_size, task_bpe_tokenizer
+from gspo_lab.tools.template import with_tool_template
 from gspo_lab.rollout.logprobs import check_logprobs_match
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,7 +82,14 @@ class TinyModel:
             check_bpe_vocab_size(self.tokenizer_vocab_size)
 
     def build_tokenizer(self, task=None):
-        """The character tokenizer, or a BPE tokenizer trained on `task`'s training-split text."""
+        """The character tokenizer, or a BPE tokenizer trained on `task`'s training-split text; for a task with
+        tools, with the tiny tool template (gspo_lab.tools.template)."""
+        tokenizer = self._base_tokenizer(task)
+        if task is not None and task.toolset is not None:
+            with_tool_template(tokenizer)
+        return tokenizer
+
+    def _base_tokenizer(self, task=None):
         if self.tokenizer == "char":
             return char_tokenizer()
         if task is None:
@@ -90,7 +98,8 @@ class TinyModel:
         drawn = (task.sample(rng) for _ in range(BPE_CORPUS_DRAWS))
         train = [e for e in drawn if task.split_of(e.prompt) == "train"]
         return task_bpe_tokenizer(
-            [text for e in train for text in (e.prompt, task.demonstration(e))], self.tokenizer_vocab_size
+            [text for e in train for text in (e.prompt, demonstration_text(task.demonstration(e)))],
+            self.tokenizer_vocab_size
         )
 
     def load(self, task=None):
@@ -306,3 +315,10 @@ def check_context(model: PreTrainedModel, tokenizer, task, max_new_tokens: dict[
                 f"this tokenizer, and {longest} + {tokens} > model.config.max_position_embeddings={limit}; "
                 "lower the budget, raise the model's positions, or shorten prompts (model.tokenizer=task_bpe)"
             )
+
+
+def demonstration_text(demonstration: str | list[dict]) -> str:
+    """A demonstration's text: a multi-turn one's (a list of messages) is its messages' contents."""
+    if isinstance(demonstration, str):
+        return demonstration
+    return " ".join(str(message.get("content") or "") for message in demonstration)

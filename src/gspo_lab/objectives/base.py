@@ -53,6 +53,8 @@ class MaskedBatch:
     mask: Tensor  # [B, T] float, 1 on valid tokens
     lengths: Tensor  # [B] valid tokens per row
     valid_rows: Tensor  # [B] bool, rows with at least one valid token
+    # [B, T] long, multi-turn: t >= 1 on the model's tokens of its turn t, 0 elsewhere; None: one turn per row
+    turns: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -203,10 +205,13 @@ class Objective:
         rollout_logp: Tensor | None = None,
         entropy: Tensor | None = None,
         entropy_coef: float | None = None,
+        turns: Tensor | None = None,
     ) -> ObjectiveOutput:
         """`entropy` [B, T]: needed when `needs_entropy`; `entropy_coef`: the bonus's coefficient this step (an
-        adaptive one, `EntropyCoefficient.applied`), None: objective.entropy_coef."""
-        batch = self._prepare(logp, old_logp, advantages, mask)
+        adaptive one, `EntropyCoefficient.applied`), None: objective.entropy_coef. `turns` [B, T]: a multi-turn
+        batch's turn of each token (gspo_lab.rollout.multi_turn; what `ratios.TurnRatio` reads), None: one turn;
+        `mask` is 1 on the model's tokens only, so every other axis sees those alone."""
+        batch = self._prepare(logp, old_logp, advantages, mask, turns)
         if entropy is not None:
             entropy = torch.where(batch.mask.bool(), entropy.to(batch.logp.dtype), 0.0)  # [B, T]
         elif self.needs_entropy:
@@ -285,7 +290,8 @@ class Objective:
             metrics["entropy/kept_frac"] = masked_mean(high_entropy, batch.mask)
         return per_token, metrics
 
-    def _prepare(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> MaskedBatch:
+    def _prepare(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                 turns: Tensor | None = None) -> MaskedBatch:
         if logp.dim() != 2 or logp.shape != old_logp.shape or logp.shape != mask.shape:
             raise ValueError(
                 f"{self.label}: logp, old_logp and mask must share one [B, T] shape; got "
@@ -306,7 +312,10 @@ class Objective:
         adv = torch.where(valid, adv, zero)
         fmask = valid.to(dtype)
         lengths = fmask.sum(-1)
-        return MaskedBatch(logp, old_logp, adv, fmask, lengths, lengths > 0)
+        if turns is not None and turns.shape != logp.shape:
+            raise ValueError(f"{self.label}: turns must be [B, T] = {tuple(logp.shape)}; got {tuple(turns.shape)}")
+        turns = None if turns is None else torch.where(valid, turns.long(), 0)
+        return MaskedBatch(logp, old_logp, adv, fmask, lengths, lengths > 0, turns)
 
     def _metrics(self, batch: MaskedBatch, ratio: Ratio) -> dict[str, Tensor]:
         """The metrics every objective reports, whatever its axes, each with one meaning for all objectives:

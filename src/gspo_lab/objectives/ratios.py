@@ -5,6 +5,7 @@
                         (length_norm=false: the full product π_θ(y_i) / π_old(y_i))       VESPO
     SequenceTokenRatio  s_i,t = sg[s_i] · π_θ(y_i,t) / sg[π_θ(y_i,t)]                      GSPO-token
     GeometricMeanRatio  exp(mean_t clip_A(log w_i,t)), clipped on the trust-region side   GMPO
+    TurnRatio           s_i,k = (π_θ(y_i,k) / π_old(y_i,k))^(1/|y_i,k|) on the tokens of turn k   GSPO per turn
 
 Each is a frozen dataclass called as `ratio(batch) -> Ratio` (gspo_lab.objectives.base); its settings are
 checked on construction, with the key under `objective.ratio`.
@@ -157,3 +158,30 @@ class GeometricMeanRatio:
             metrics = clip_fractions((log_w < -self.clip_low) & (adv < 0), (log_w > self.clip_high) & (adv > 0), batch)
         return Ratio(r[:, None].expand_as(log_w), torch.zeros_like(log_w, dtype=torch.bool), metrics)
 
+
+@dataclass(frozen=True)
+class TurnRatio:
+    """The turn-level ratio of a multi-turn trajectory: GSPO's length-normalised ratio over the model's tokens
+    of each turn k alone, s_i,k = exp((1/|y_i,k|) Σ_{t in turn k} log π_θ(y_i,t) / π_old(y_i,t)), carried by
+    every token of that turn, so the surrogate clips each turn on its own (the per-turn analogue of GSPO's
+    sequence ratio, as ST-PPO, arXiv 2511.20718, defines it). The tool results between turns are not the model's
+    and take no part. A single-turn batch (`turns` None) is one turn per row: `SequenceRatio` exactly.
+
+    Args:
+        log_ratio_clamp: clamp log s_i,k to [-c, c] before exp(); None (default) keeps it exact.
+    """
+
+    log_ratio_clamp: float | None = None
+
+    def __post_init__(self) -> None:
+        check_log_ratio_clamp("TurnRatio: objective.ratio", self.log_ratio_clamp)
+
+    def __call__(self, batch: MaskedBatch) -> Ratio:
+        turns = batch.turns if batch.turns is not None else batch.mask.long()  # [B, T], 0 off the model's tokens
+        log_w = (batch.logp - batch.old_logp) * batch.mask  # [B, T]
+        slots = batch.mask.new_zeros(turns.shape[0], turns.shape[1] + 1)  # [B, T + 1]: a slot per turn number
+        sums = slots.scatter_add(1, turns, log_w)  # Σ_{t in turn k} log w_i,t  [B, T + 1]
+        counts = slots.scatter_add(1, turns, batch.mask)  # |y_i,k|
+        log_s = (sums / counts.clamp(min=1)).gather(1, turns)  # each token's log s_i,k  [B, T]
+        log_s, fired = clamp_log_ratio(log_s, self.log_ratio_clamp)
+        return Ratio(torch.exp(log_s), fired & batch.mask.bool())

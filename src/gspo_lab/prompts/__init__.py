@@ -69,7 +69,10 @@ class Renderer:
     def add_special_tokens(self) -> bool:
         return not self.chat
 
-    def text(self, example: Example) -> str:
+    def text(self, example: Example, observation: str | None = None, tools: list[dict] | None = None) -> str:
+        """The model input of `example`. Multi-turn (gspo_lab.rollout.multi_turn): `observation`, what an
+        environment's reset returned, extends the last user message (TRL's rule); `tools`, their JSON schemas,
+        go to the chat template."""
         if isinstance(example.prompt, list):
             if not self.chat:
                 raise ValueError("the data's prompts are chat messages, but no chat template applies (prompt."
@@ -87,11 +90,14 @@ class Renderer:
                 raise ValueError(f"prompt.template={self.format.template!r} names the column {error.args[0]!r}; the "
                                  f"example has {sorted(columns)}") from None
             if not self.chat:
-                return content
+                return content + (observation or "")
             messages = [{"role": "user", "content": content}]
+        if observation is not None:
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
         if self.format.system is not None and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.format.system}] + messages
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+        extra = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra,
                                                   **self.format.chat_template_kwargs)
 
     def texts(self, examples: list[Example]) -> list[str]:

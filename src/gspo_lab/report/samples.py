@@ -14,6 +14,7 @@ from gspo_lab.report.runs import Study
 
 STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
 PROMPTS, SAMPLES, CHARS = 2, 4, 80  # per set and setting: prompts shown, samples per prompt, characters per text
+TRAJECTORY_CHARS = 400  # a multi-turn completion is shown turn by turn, its tool results marked ⟦tool: ...⟧
 
 
 def sample_files(run_dir: Path) -> list[tuple[int, Path]]:
@@ -47,7 +48,9 @@ def table(run_dir: Path) -> pd.DataFrame:
             entry = by_prompt.setdefault((row["set"], row["index"]), {"prompt": row["prompt"],
                                                                         "reference": row["reference"],
                                                                         "greedy": "", "samples": []})
-            mark = f"{'✓' if row['correct'] else '✗'} {shown(row['completion'])}"
+            text = row.get("trajectory")  # multi-turn: every turn, not only the last
+            text = shown(row["completion"]) if text is None else shown(text, TRAJECTORY_CHARS)
+            mark = f"{'✓' if row['correct'] else '✗'} {text}"
             if row["mode"] == "greedy":
                 entry["greedy"] = mark
             elif len(entry["samples"]) < SAMPLES:

@@ -33,6 +33,7 @@ from gspo_lab.rewards.base import (
 from gspo_lab.rewards.functions import (
     TaskReward,
     boxed_match,
+    environment_reward,
     exact_match,
     math_accuracy,
     numeric_match,
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "GradingPool", "RewardContractError", "RewardFunction", "Scores", "TaskReward", "WeightedRewards",
-    "boxed_match", "build_rewards", "check_signature", "exact_match", "math_accuracy", "may_hang", "numeric_match",
+    "boxed_match", "build_rewards", "environment_reward", "check_signature", "exact_match", "math_accuracy", "may_hang", "numeric_match",
     "reward_name", "soft_overlong_punishment", "think_format", "unwrapped",
 ]
 

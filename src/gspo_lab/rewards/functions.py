@@ -29,6 +29,16 @@ THINK = re.compile(r"^\s*<think>.*?</think>\s*\S", re.DOTALL)
 THINK_OPENED = re.compile(r"^(?:(?!<think>).)*?</think>\s*\S", re.DOTALL)
 
 
+def environment_reward(prompts, completions, environment_reward=None, **kwargs) -> list[float | None]:
+    """A multi-turn rollout's environment reward: what its environment's get_reward() returned at the end of
+    the trajectory (TRL's environment contract; gspo_lab.rollout.multi_turn), None where there is none.
+
+    >>> environment_reward(["p", "p"], ["a", "b"], environment_reward=[0.7, None])
+    [0.7, None]
+    """
+    return list(environment_reward) if environment_reward is not None else [None] * len(completions)
+
+
 def exact_match(prompts, completions, answer, **kwargs) -> list[float]:
     """1 where the stripped completion equals the stripped reference answer."""
     return [float(text_of(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]

@@ -107,9 +107,10 @@ class RolloutBackend(Protocol):
     def sync(self) -> None:
         """Take the trainer's current weights (before every rollout, after every update)."""
 
-    def generate(self, tokenizer, prompts: list[str], sampling: Sampling, row_seeds: Tensor | None = None,
-                 routing=None) -> Generated:
-        """One completion per prompt, row n sampled from the stream seeded by `row_seeds[n]` ([N] int64; None:
+    def generate(self, tokenizer, prompts: list[str] | list[list[int]], sampling: Sampling,
+                 row_seeds: Tensor | None = None, routing=None) -> Generated:
+        """One completion per prompt (a text, or token ids taken as they are: a multi-turn rollout continues from
+        what was generated, never re-tokenised), row n sampled from the stream seeded by `row_seeds[n]` ([N] int64; None:
         greedy, or drawn here), with the engine's log-probs of the sampled tokens; `routing` (a
         gspo_lab.routing.RoutingReplay, or None) records the experts where the backend can."""
 

@@ -26,10 +26,20 @@ class RolloutBatch:
     ref_logp: Tensor | None = None  # [B, C] log-probs under the frozen reference policy (objective.beta > 0)
     rollout_logp: Tensor | None = None  # [B, C] the rollout engine's own log-probs of the sampled tokens
     rollout_trace: Any = None  # the rollout engine's expert choices during generation (MoE), or None
+    # [B, C] multi-turn: t >= 1 on the model's tokens of its turn t, 0 on the tools' and padding; None: one turn.
+    # loss_mask is then 1 on the model's tokens only; attention_mask covers the tools' too (they are context)
+    turns: Tensor | None = None
 
     @property
     def completion_len(self) -> int:
         return self.loss_mask.shape[1]
+
+    @property
+    def policy_mask(self) -> Tensor:
+        """[B, C] 1 on the completion tokens the model wrote (truncated rows included): what the mismatch metrics
+        and |y| count."""
+        mask = self.attention_mask[:, -self.completion_len :]
+        return mask if self.turns is None else mask * (self.turns > 0).to(mask.dtype)
 
     def rows(self, index: Tensor) -> RolloutBatch:
         """The mini-batch made of rows `index` (the routing trace is sliced alongside)."""

@@ -6,6 +6,8 @@ token (`cut_at_stop`, `stop_ids`), in a typed result with a slot for what a back
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -25,6 +27,15 @@ class Completions:
     truncated: Tensor  # [N] bool, no EOS within max_new_tokens
     texts: list[str]  # decoded completions, EOS and padding removed
     logprobs: Tensor | None = None  # [N, C] log-probs of the sampled tokens (return_logprobs=True only)
+    # multi-turn (gspo_lab.rollout.multi_turn): [N, C] t >= 1 on the model's tokens of its turn t, 0 on the tools'
+    # tokens and padding; None: one turn, every completion token the model's
+    turns: Tensor | None = None
+    messages: list[list[dict]] | None = None  # multi-turn: each row's assistant and tool messages, in order
+
+    @property
+    def policy_mask(self) -> Tensor:
+        """[N, C] 1 on the tokens the model wrote (not the tools' results, not padding): what the loss sees."""
+        return self.completion_mask if self.turns is None else (self.turns > 0).to(self.completion_mask.dtype)
 
     def cloned(self) -> Completions:
         """A copy whose tensors are ordinary ones (tensors made under inference mode cannot enter autograd)."""
@@ -51,6 +62,8 @@ class Completions:
             truncated=self.truncated,
             texts=self.texts,
             logprobs=None if self.logprobs is None else pad(self.logprobs, (0, right), value=0.0),
+            turns=None if self.turns is None else pad(self.turns, (0, right), value=0),
+            messages=self.messages,
         )
 
     @staticmethod
@@ -64,7 +77,7 @@ class Completions:
                 values[f.name] = torch.cat(column)
             elif isinstance(column[0], list):
                 values[f.name] = [item for part in column for item in part]
-            else:  # logprobs absent from every part
+            else:  # logprobs, turns or messages absent from every part
                 values[f.name] = None
         return Completions(**values)
 
@@ -139,17 +152,24 @@ def widened(values: Tensor, completion_len: int) -> Tensor:
     return torch.nn.functional.pad(values, (0, completion_len - values.shape[1]), value=0)
 
 
-def reward_inputs(examples: list[Example], completions: Completions) -> tuple[list, list, list[list[int]], dict]:
+def reward_inputs(examples: list[Example], completions: Completions, extra: dict[str, Tensor] | None = None
+                  ) -> tuple[list, list, list[list[int]], dict]:
     """What reward functions get for these completions of `examples` (one example per completion): the prompts,
-    the completions (as assistant messages when the prompts are conversational), their token ids up to and
-    including the stop token, and the columns (the reference `answer` and every other column of the data)."""
+    the completions (as assistant messages when the prompts are conversational: a multi-turn one's every
+    assistant and tool message; else the text, a multi-turn one's last turn), their token ids up to and
+    including the stop token, and the columns (the reference `answer`, every other column of the data, and a
+    multi-turn rollout's `environment_reward` (`extra`), None where the environment gave none)."""
     conversational = bool(examples) and isinstance(examples[0].prompt, list)
     texts = completions.texts
-    replies = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+    replies = texts
+    if conversational:
+        replies = completions.messages or [[{"role": "assistant", "content": text}] for text in texts]
     # one copy to the host for the whole round (a GPU sync per row otherwise)
     lengths = completions.completion_mask.sum(-1).tolist()
     ids = [row[:n] for row, n in zip(completions.completion_ids.tolist(), lengths)]  # right-padded rows
     columns = {"answer": [e.answer for e in examples]}
     for key in examples[0].meta if examples else ():
         columns[key] = [e.meta.get(key) for e in examples]
+    if extra is not None and "environment_reward" in extra:
+        columns["environment_reward"] = [None if math.isnan(r) else r for r in extra["environment_reward"].tolist()]
     return [e.prompt for e in examples], replies, ids, columns

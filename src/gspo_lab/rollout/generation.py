@@ -37,7 +37,7 @@ def position_ids(attention_mask: Tensor) -> Tensor:
 def generate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
+    prompts: list[str] | list[list[int]],
     max_new_tokens: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -92,6 +92,20 @@ def generate(
                                   return_logprobs, share_prompts, sharded, stop, add_special_tokens,
                                   cache_implementation)
     return completions.cloned()
+
+
+def encode_prompts(tokenizer, prompts: list[str] | list[list[int]], add_special_tokens: bool = True):
+    """The prompts as a left-padded batch (`input_ids`, `attention_mask`); prompts given as token ids (a
+    multi-turn rollout continuing from what was generated) are taken as they are, never re-tokenised.
+
+    >>> from gspo_lab.models.tokenizer import char_tokenizer
+    >>> encode_prompts(char_tokenizer(), [[5, 6, 7], [8]])["input_ids"].tolist()
+    [[5, 6, 7], [0, 0, 8]]
+    """
+    if prompts and not isinstance(prompts[0], str):
+        return tokenizer.pad({"input_ids": [list(ids) for ids in prompts]}, padding=True, padding_side="left",
+                             return_tensors="pt")
+    return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens)
 
 
 @contextmanager
@@ -224,7 +238,7 @@ class StepLogprobs:
 def _sample(model, tokenizer, prompts, max_new_tokens, temperature, sampler, suppress_eos,
             return_logprobs, share_prompts, sharded, stop, add_special_tokens, cache_implementation) -> Completions:
     device = next(model.parameters()).device
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
+    encoded = encode_prompts(tokenizer, prompts, add_special_tokens).to(device)
     config = sampling_config(tokenizer, max_new_tokens, stop)
     config.cache_implementation = cache_implementation
     processors = ([SuppressTokens(stop)] if suppress_eos else []) + ([sampler] if sampler else [])

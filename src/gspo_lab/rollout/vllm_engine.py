@@ -238,7 +238,7 @@ class VLLMEngine:
             raise RuntimeError("vLLM did not reset its prefix cache after a weight sync (requests still running?): its "
                                "cached keys and values are the old weights', and the next rollout would reuse them")
 
-    def generate(self, tokenizer, prompts: list[str], sampling: Sampling, row_seeds: Tensor | None = None,
+    def generate(self, tokenizer, prompts: list[str] | list[list[int]], sampling: Sampling, row_seeds: Tensor | None = None,
                  routing=None) -> Generated:
         """The backend's contract (gspo_lab.rollout.backend) on vLLM, with the weights of the last `sync`: one
         completion per prompt, row n seeded by `row_seeds[n]` (greedy: none), cut at the stop ids as the hf
@@ -250,7 +250,8 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         stop = [] if sampling.suppress_eos else stop_ids(tokenizer, self.trainer_model, sampling.stop_token_ids)
-        encoded = tokenizer(prompts, add_special_tokens=sampling.add_special_tokens)["input_ids"]
+        encoded = ([list(ids) for ids in prompts] if prompts and not isinstance(prompts[0], str) else
+                   tokenizer(prompts, add_special_tokens=sampling.add_special_tokens)["input_ids"])
         seeds = [None] * len(prompts) if sampling.greedy else (row_seeds if row_seeds is not None else
                                                                  draw_row_seeds(len(prompts))).tolist()
         params = [SamplingParams(n=1, temperature=0.0 if sampling.greedy else sampling.temperature,

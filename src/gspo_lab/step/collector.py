@@ -18,6 +18,7 @@ from gspo_lab.rewards import Scores, WeightedRewards
 from gspo_lab.rollout import PromptSchedule, RolloutBatch
 from gspo_lab.rollout.backend import RolloutBackend, Sampling
 from gspo_lab.rollout.completions import Completions, Generated, reward_inputs
+from gspo_lab.rollout.multi_turn import MultiTurn, generate_rows
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
 from gspo_lab.rollout.sampling import draw_row_seeds
 from gspo_lab.routing import RoutingReplay
@@ -42,11 +43,12 @@ class RolloutCollector:
     def __init__(self, backend: RolloutBackend, policy: PolicyForwards, probe: MismatchProbe,
                  routing: RoutingReplay, prompts: PromptSchedule, render: PromptFormat, tokenizer,
                  rewards: WeightedRewards, advantage: AdvantageEstimator, rollout: RolloutConfig,
-                 shuffle_rewards: bool, kl_penalty: bool) -> None:
+                 shuffle_rewards: bool, kl_penalty: bool, agent: MultiTurn | None = None) -> None:
         self.backend, self.policy, self.probe, self.routing = backend, policy, probe, routing
         self.prompts, self.render, self.tokenizer = prompts, render, tokenizer
         self.rewards, self.advantage, self.rollout_cfg = rewards, advantage, rollout
         self.shuffle_rewards, self.kl_penalty = shuffle_rewards, kl_penalty
+        self.agent = agent  # the multi-turn loop of a task with tools (gspo_lab.rollout.multi_turn), or None
 
     def collect(self, step: int, ranks: Ranks) -> Rollout:
         """This rank's rollout batch for RL step `step`, and its metrics."""
@@ -79,7 +81,7 @@ class RolloutCollector:
         rollout.logprobs_from_generation, else None until `collect` computes it."""
         cfg = self.rollout_cfg
         completions, rewards, rollout_trace = sampled.completions, sampled.rewards, sampled.rollout_trace
-        loss_mask = completions.completion_mask
+        loss_mask = completions.policy_mask  # the model's tokens: a multi-turn row's tool results are context only
         if cfg.mask_truncated:
             loss_mask = loss_mask * (~completions.truncated)[:, None]
         # what an estimator may need beside the totals, on their device (the host: scores are computed there, the
@@ -102,6 +104,7 @@ class RolloutCollector:
             routing_trace=rollout_trace,
             rollout_logp=completions.logprobs,
             rollout_trace=rollout_trace,
+            turns=completions.turns,
         ).to(device)
 
     def sample_round(self, step: int, sampling_round: int, ranks: Ranks) -> tuple[SampledRound, dict[str, float]]:
@@ -111,12 +114,15 @@ class RolloutCollector:
         cfg = self.rollout_cfg
         examples = self.prompts.for_step(step, ranks.rank, ranks.world, sampling_round)
         grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
-        texts = self.render.texts(examples)  # model input, once per prompt
-        generated, metrics = self.sample([text for text in texts for _ in range(cfg.group_size)])
-        scores = self.score(step, grouped, generated.completions)
+        generated, metrics = self.sample(grouped)
+        scores = self.score(step, grouped, generated)
         metrics.update({k: v for k, v in scores.metrics.items()
                         if sampling_round == 0 or k.endswith(("errors", "timeouts"))})
         rewards, applies, components = scores.total, scores.applies, scores.components
+        if "lost" in generated.extra:  # a tool worker died with the row's environment: the row is not trained on
+            applies = applies & (generated.extra["lost"] == 0)
+            if sampling_round == 0:
+                metrics.update(tool_metrics(generated))
         if self.shuffle_rewards:  # negative control (train.shuffle_rewards): rewards no longer fit their completions
             order = torch.randperm(len(rewards))
             rewards, applies, components = rewards[order], applies[order], components[order]
@@ -144,31 +150,30 @@ class RolloutCollector:
         metrics["rollout/frac_zero_std_sampled"] = frac_zero_std(sampled, cfg.group_size).item()
         return merged, metrics
 
-    def sample(self, prompts: list[str]) -> tuple[Generated, dict[str, float]]:
-        """Completions from the rollout backend, its weights first refreshed from the trainer's current ones, in
-        `generate` calls of rollout.generation_batch_size rows, and the time each took; the engine's own log-probs
-        of the sampled tokens are always kept, and its experts when routing records them. Each row samples from
-        its own stream, its seed drawn here for all rows at once, so the samples do not depend on the batch size
-        (unless the engine draws router noise, which it does per call)."""
+    def sample(self, examples: list[Example]) -> tuple[Generated, dict[str, float]]:
+        """Completions of `examples` from the rollout backend, its weights first refreshed from the trainer's
+        current ones, in `generate` calls of rollout.generation_batch_size rows (through the multi-turn loop for a
+        task with tools), and the time each took; the engine's own log-probs of the sampled tokens are always
+        kept, and its experts when routing records them. Each row samples from its own stream, its seed drawn here
+        for all rows at once, so the samples do not depend on the batch size (unless the engine draws router
+        noise, which it does per call)."""
         cfg = self.rollout_cfg
         started = time.perf_counter()
         self.backend.sync()
         synced = time.perf_counter()
-        seeds = draw_row_seeds(len(prompts))  # [N]
-        size = cfg.generation_batch_size or len(prompts)
+        seeds = draw_row_seeds(len(examples))  # [N]
         sampling = Sampling.of_rollout(cfg, self.render.add_special_tokens)
-        parts = [self.backend.generate(self.tokenizer, prompts[start : start + size], sampling,
-                                       seeds[start : start + size], self.routing)
-                 for start in range(0, len(prompts), size)]
-        generated = Generated.cat(parts, self.tokenizer.pad_token_id)
+        generated = generate_rows(self.backend, self.tokenizer, self.render, examples, sampling, seeds,
+                                  cfg.generation_batch_size, self.routing, self.agent)
         return generated, {"time/engine_sync_s": synced - started, "time/generate_s": time.perf_counter() - synced}
 
-    def score(self, step: int, examples: list[Example], completions: Completions) -> Scores:
+    def score(self, step: int, examples: list[Example], generated: Generated) -> Scores:
         """The reward functions' scores of this round's completions (gspo_lab.rewards): each function gets the
-        examples' prompts, the completions (as assistant messages when the prompts are conversational), their
-        token ids up to and including the stop token, the reference `answer` and every other column."""
+        examples' prompts, the completions (as assistant messages when the prompts are conversational; a
+        multi-turn one's every message), their token ids up to and including the stop token, the reference
+        `answer`, every other column, and a multi-turn row's `environment_reward`."""
         group = self.rollout_cfg.group_size
-        return self.rewards.score(*reward_inputs(examples, completions),
+        return self.rewards.score(*reward_inputs(examples, generated.completions, generated.extra),
                                   where=lambda i: f"RL step {step}, prompt {i // group}, completion {i % group}")
 
 
@@ -181,6 +186,27 @@ def sample_metrics(rewards: torch.Tensor, completions: Completions, group_size: 
         "reward/mean": scored.mean().item(),
         "reward/std": scored.std(unbiased=False).item(),
         "reward/frac_zero_std": frac_zero_std(rewards, group_size).item(),
-        "completion/len_mean": completions.completion_mask.sum(-1).float().mean().item(),
+        "completion/len_mean": completions.policy_mask.sum(-1).float().mean().item(),  # the model's tokens
         "completion/truncated_frac": completions.truncated.float().mean().item(),
     }
+
+
+def tool_metrics(generated: Generated) -> dict[str, float]:
+    """A multi-turn round's tool use (gspo_lab.rollout.multi_turn): tools/call_frequency (calls per trajectory),
+    tools/failure_frequency (calls that raised, timed out or did not parse, per call; TRL's), tools/<name>/
+    call_frequency, turns/mean (the model's turns per trajectory), tokens/tool_fraction (the tools' share of the
+    completion tokens) and tools/lost (trajectories whose environment's worker died)."""
+    extra, completions = generated.extra, generated.completions
+    calls = extra["tool_calls"].sum().item()
+    tokens = completions.completion_mask.sum().item()
+    metrics = {
+        "tools/call_frequency": extra["tool_calls"].mean().item(),
+        "tools/failure_frequency": extra["tool_failures"].sum().item() / calls if calls else 0.0,
+        "turns/mean": extra["turns"].mean().item(),
+        "tokens/tool_fraction": 1.0 - completions.policy_mask.sum().item() / tokens if tokens else 0.0,
+        "tools/lost": extra["lost"].sum().item(),
+    }
+    for key in extra:
+        if key.startswith("tool_calls/"):
+            metrics[f"tools/{key.removeprefix('tool_calls/')}/call_frequency"] = extra[key].mean().item()
+    return metrics

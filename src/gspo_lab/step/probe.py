@@ -90,7 +90,7 @@ class MismatchProbe:
 
 def engine_mismatch(rows: RolloutBatch, train_logp: Tensor) -> dict[str, float]:
     """mismatch/* of the trainer's log-probs [B, C] of `rows` against the engine's (`mismatch_metrics`)."""
-    return mismatch_metrics(train_logp, rows.rollout_logp, rows.attention_mask[:, -rows.completion_len :])
+    return mismatch_metrics(train_logp, rows.rollout_logp, rows.policy_mask)
 
 
 def mismatch_metrics(train_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> dict[str, float]:

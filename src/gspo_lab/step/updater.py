@@ -150,9 +150,11 @@ class Updater:
             try:
                 needs_entropy = getattr(self.objective, "needs_entropy", False)  # a user's objective may not take it
                 entropy_inputs = {"entropy": entropy, "entropy_coef": coef} if needs_entropy else {}
+                # a multi-turn batch's turns (a single-turn batch passes none: a user's objective may not take them)
+                turn_inputs = {"turns": minibatch.turns} if minibatch.turns is not None else {}
                 out = self.objective(logp, minibatch.old_logp, minibatch.advantages, minibatch.loss_mask,
                                      ref_logp=minibatch.ref_logp, rollout_logp=minibatch.rollout_logp,
-                                     **entropy_inputs)
+                                     **entropy_inputs, **turn_inputs)
             except NonFiniteLossError as error:
                 log.warning("RL step %d: %s", step, error)
                 out = None

@@ -15,6 +15,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from gspo_lab.tools.toolset import Toolset
+
 SPLITS = ("train", "eval")
 
 
@@ -34,6 +36,8 @@ class Task(ABC):
         eval_seed: the seed of the fixed evaluation set used by `eval_examples`.
         eval_size: how many held-out prompts evaluation uses.
         format_weight: reward of a well-formed but wrong completion (0 disables the format reward).
+        tools: functions the model may call, as import paths (TRL's `tools`; gspo_lab.tools.toolset).
+        environment: a class built once per rollout row, as an import path (TRL's `environment_factory`).
     """
 
     name = "task"
@@ -43,7 +47,8 @@ class Task(ABC):
     # model output that it runs as Python never runs in the trainer
     checker_may_hang = False
 
-    def __init__(self, eval_fraction=0.1, eval_seed=1234, eval_size=400, format_weight=0.0) -> None:
+    def __init__(self, eval_fraction=0.1, eval_seed=1234, eval_size=400, format_weight=0.0, tools=(),
+                 environment=None) -> None:
         if not 0 < eval_fraction < 1:
             raise ValueError(f"task.eval_fraction={eval_fraction!r} must satisfy 0 < eval_fraction < 1")
         if not 0 <= format_weight < 1:
@@ -52,6 +57,8 @@ class Task(ABC):
             raise ValueError(f"task.eval_size={eval_size!r} must be >= 1")
         self.eval_fraction, self.eval_seed = eval_fraction, eval_seed
         self.eval_size, self.format_weight = eval_size, format_weight
+        # the tools and environment of a multi-turn task (gspo_lab.rollout.multi_turn); None: single-turn
+        self.toolset = Toolset.of(tools, environment)
 
     @abstractmethod
     def sample(self, rng: random.Random) -> Example:

@@ -1,0 +1,335 @@
+"""Multi-turn rollouts: the model writes, calls tools or acts in an environment, reads the results and goes on.
+
+`MultiTurn.generate` runs the loop over any rollout backend (gspo_lab.rollout.backend), which continues from
+token ids:
+1. an environment per row is built and reset in a worker (TRL's `reset(**columns)`; a string it returns
+   extends the prompt); the prompt is rendered with the tools' schemas;
+2. the backend generates each active row's turn until its stop token, from the row's prompt and everything so
+   far, with the row's seed for that turn (`turn_seeds`), so a row's samples do not depend on the batch, the
+   ranks, or how many turns other rows took;
+3. the turn's tool calls are parsed (gspo_lab.tools.calls) and run in the workers; each result, cut at
+   `max_tool_response_tokens`, is rendered through the chat template's tool role and appended as tokens
+   (gspo_lab.tools.template): earlier tokens are never re-tokenised;
+4. a row ends at a turn without tool calls, after `max_tool_calls` rounds of calls (TRL's
+   max_tool_calling_iterations; the last round's calls are not run), or when its length budget
+   (`max_new_tokens`, the model's and the tools' tokens together) runs out: then it is truncated.
+
+The result is one `Completions` row per prompt whose completion holds every turn, with `turns` marking the
+model's tokens (t >= 1 in turn t) apart from the tools' (0): the loss, the ratio, |y|, entropy, KL and the
+mismatch metrics see only the model's. The engine's log-probs are 0 on tool tokens. `Generated.extra` carries
+per row: `tool_calls`, `tool_failures`, `tool_calls/<name>`, `turns` (the model's turns), `lost` (a worker
+that held the row's environment died: the row is not trained on) and `environment_reward` (`get_reward()`,
+NaN where there is none).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from gspo_lab.rollout.completions import Completions, Generated
+from gspo_lab.tools import ToolCall, ToolRunner, Toolset, parse_tool_calls
+from gspo_lab.tools.runner import EnvironmentLost, call_environment, call_tool, finish_environment, start_environment
+from gspo_lab.tools.template import check_prefix_preserving, tool_suffix_ids
+
+TURN_SEED_STRIDE = 1_000_003  # turn t of row seed s samples from stream s + t * stride (t = 0: the row's own)
+
+
+def turn_seeds(row_seeds: Tensor, turn: int) -> Tensor:
+    """The seeds of turn `turn` (0-based) of rows seeded `row_seeds` [N]: a function of the row's seed and the
+    turn only.
+
+    >>> turn_seeds(torch.tensor([5, 7]), 0).tolist(), turn_seeds(torch.tensor([5]), 2).tolist()
+    ([5, 7], [2000011])
+    """
+    return (row_seeds + turn * TURN_SEED_STRIDE) % (2**63 - 1)
+
+
+@dataclass
+class Trajectory:
+    """One row's rollout so far."""
+
+    prompt_ids: list[int]
+    key: str  # its environment's key in the worker
+    tokens: list[int] = field(default_factory=list)  # completion tokens: the model's and the tools'
+    turns: list[int] = field(default_factory=list)  # t >= 1 on the model's tokens of turn t, 0 on the tools'
+    logprobs: list[float] = field(default_factory=list)  # the engine's, 0 on the tools' tokens
+    messages: list[dict] = field(default_factory=list)  # the assistant and tool messages, in order
+    calls: Counter = field(default_factory=Counter)  # tool name -> calls made
+    failures: int = 0
+    rounds: int = 0  # turns that called tools
+    pending: list[ToolCall] = field(default_factory=list)  # the calls of its last turn
+    truncated: bool = False
+    done: bool = False
+    lost: bool = False
+    reward: float = math.nan
+
+    def add(self, tokens: list[int], turn: int, logprobs: list[float] | None = None) -> None:
+        self.tokens += tokens
+        self.turns += [turn] * len(tokens)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+
+
+class MultiTurn:
+    """The multi-turn loop for one task's `toolset`, its tools and environments run by `runner`.
+
+    Args:
+        max_tool_calls: rounds of tool calls a row may make (rollout.max_tool_calls).
+        max_tool_response_tokens: a tool result is cut to this many tokens (rollout.max_tool_response_tokens;
+            None: whole).
+        chat_template_kwargs: what the prompt format passes to the chat template (prompt.chat_template_kwargs).
+    """
+
+    _calls = itertools.count()
+
+    def __init__(self, toolset: Toolset, runner: ToolRunner, max_tool_calls: int,
+                 max_tool_response_tokens: int | None, chat_template_kwargs: dict | None = None) -> None:
+        self.toolset, self.runner = toolset, runner
+        self.max_tool_calls, self.max_tool_response_tokens = max_tool_calls, max_tool_response_tokens
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.schemas = toolset.schemas()
+
+    @classmethod
+    def of(cls, task, rollout, runner: ToolRunner, chat_template_kwargs: dict | None = None) -> MultiTurn | None:
+        """The loop for `task`'s tools and environment with the rollout's settings (gspo_lab.config.RolloutConfig);
+        None for a single-turn task."""
+        if task.toolset is None:
+            return None
+        return cls(task.toolset, runner, rollout.max_tool_calls or 2**31, rollout.max_tool_response_tokens,
+                   chat_template_kwargs)
+
+    def check(self, tokenizer) -> None:
+        """Refuse a tokenizer without a chat template, or with one that is not prefix-preserving."""
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("task.tools / task.environment need a tokenizer with a chat template (its tool role "
+                             "renders the results); the tiny models' tokenizers get one when the task has tools")
+        check_prefix_preserving(tokenizer, self.chat_template_kwargs)
+
+    def generate(self, backend, tokenizer, render, examples: list, sampling, row_seeds: Tensor | None,
+                 batch_size: int | None = None) -> Generated:
+        """One trajectory per example (repeat examples for groups), row n from the seeds of `row_seeds[n]`,
+        `batch_size` rows per `generate` call (None: all)."""
+        call = next(self._calls)
+        rows = [Trajectory([], f"{id(self)}-{call}-{n}") for n in range(len(examples))]
+        observations = self._start(rows, examples)
+        for row, example, observation in zip(rows, examples, observations):
+            text = render.text(example, observation=observation, tools=self.schemas)
+            row.prompt_ids = tokenizer(text, add_special_tokens=render.add_special_tokens)["input_ids"]
+        if row_seeds is None and not sampling.greedy:
+            from gspo_lab.rollout.sampling import draw_row_seeds
+
+            row_seeds = draw_row_seeds(len(rows))
+        for turn in itertools.count(1):
+            active = [n for n, row in enumerate(rows) if not row.done]
+            if not active:
+                break
+            self._turn(backend, tokenizer, sampling, rows, active, turn, row_seeds, batch_size)
+            self._run_tools(tokenizer, sampling, rows, [n for n in active if not rows[n].done])
+        self._finish(rows)
+        return assemble(tokenizer, rows, self.toolset.names)
+
+    def _start(self, rows: list[Trajectory], examples: list) -> list[str | None]:
+        """Each row's environment built and reset in its worker; what reset returned (a row whose environment
+        failed to start is lost)."""
+        if self.toolset.environment is None:
+            return [None] * len(rows)
+        calls = [(n, start_environment, (row.key, self.toolset.environment, {"prompt": e.prompt, "answer": e.answer, **e.meta}))
+                 for n, (row, e) in enumerate(zip(rows, examples))]
+        outcomes, _ = self.runner.run(calls)
+        observations = []
+        for row, outcome in zip(rows, outcomes):
+            if outcome.failure is not None:
+                row.lost = row.done = True
+            value = outcome.value
+            observations.append(value if isinstance(value, str) else None)
+        return observations
+
+    def _turn(self, backend, tokenizer, sampling, rows, active, turn, row_seeds, batch_size) -> None:
+        """Generate one turn of each active row and parse its calls."""
+        budgets = [sampling.max_new_tokens - len(rows[n].tokens) for n in active]
+        step = replace(sampling, max_new_tokens=max(budgets))
+        seeds = None if row_seeds is None else turn_seeds(row_seeds[active], turn - 1)
+        size = batch_size or len(active)
+        for start in range(0, len(active), size):
+            chunk = active[start : start + size]
+            prompts = [rows[n].prompt_ids + rows[n].tokens for n in chunk]
+            out = backend.generate(tokenizer, prompts, step, None if seeds is None else seeds[start : start + size])
+            done = out.completions
+            lengths = done.completion_mask.sum(-1).tolist()
+            for i, n in enumerate(chunk):
+                row, budget = rows[n], budgets[start + i]
+                tokens = done.completion_ids[i, : lengths[i]].tolist()[:budget]
+                logprobs = None if done.logprobs is None else done.logprobs[i, : len(tokens)].tolist()
+                stopped = bool(not done.truncated[i]) and len(tokens) == lengths[i]
+                row.add(tokens, turn, logprobs)
+                self._read_turn(tokenizer, row, tokens[:-1] if stopped else tokens, stopped)
+
+    def _read_turn(self, tokenizer, row: Trajectory, tokens: list[int], stopped: bool) -> None:
+        """The turn's message and calls; the row ends where the turn has none, ran out of budget, or used the
+        last round of calls."""
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        calls, content = parse_tool_calls(text, tokenizer, tokens, row.prompt_ids, self.schemas)
+        row.messages.append({"role": "assistant", "content": content, "tool_calls": [c.message() for c in calls
+                                                                                     if c.error is None]})
+        row.pending = calls
+        if not stopped:
+            row.truncated = row.done = True
+        elif not calls or row.rounds >= self.max_tool_calls:
+            row.done = True
+        else:
+            row.rounds += 1
+
+    def _run_tools(self, tokenizer, sampling, rows: list[Trajectory], waiting: list[int]) -> None:
+        """Run the calls of the rows in `waiting`, append their results as tokens."""
+        jobs, results = [], {n: [] for n in waiting}
+        for n in waiting:
+            for call in rows[n].pending:
+                rows[n].calls[call.name or "unparsed"] += 1
+                job = self._job(n, rows[n], call)
+                if isinstance(job, str):
+                    rows[n].failures += 1
+                    results[n].append((call.name, job))
+                else:
+                    results[n].append((call.name, len(jobs)))
+                    jobs.append(job)
+        outcomes, replaced = self.runner.run(jobs) if jobs else ([], set())
+        for n in waiting:
+            row = rows[n]
+            if self.toolset.environment is not None and self.runner.worker_of(n) in replaced:
+                row.lost = row.done = True
+                continue
+            messages = []
+            for name, result in results[n]:
+                if not isinstance(result, str):
+                    outcome = outcomes[result]
+                    if outcome.failure is not None:
+                        row.failures += 1
+                        if "EnvironmentLost" in outcome.detail:
+                            row.lost = row.done = True
+                    result = (outcome.value if outcome.failure is None else  # TRL's message: {"error": ...}
+                              str({"error": f"{outcome.failure}: {outcome.detail}"}))
+                messages.append({"role": "tool", "name": name or "unparsed", "content": self._cut(tokenizer, result)})
+            if row.lost:
+                continue
+            suffix = tool_suffix_ids(tokenizer, messages, self.chat_template_kwargs)
+            if len(row.tokens) + len(suffix) >= sampling.max_new_tokens:  # no room left for a turn after them
+                row.truncated = row.done = True
+                continue
+            row.messages += messages
+            row.add(suffix, 0)
+
+    def _job(self, n: int, row: Trajectory, call: ToolCall):
+        """The worker call for one tool call, or the error message the model gets instead."""
+        if call.error is not None:
+            return str({"error": call.error})
+        if self.toolset.is_environment_tool(call.name):
+            return (n, call_environment, (row.key, call.name, call.arguments))
+        fn = self.toolset.function(call.name)
+        if fn is None:
+            return str({"error": f"no tool named {call.name!r}; the tools are {self.toolset.names}"})
+        return (n, call_tool, (fn, call.arguments))
+
+    def _cut(self, tokenizer, result: str) -> str:
+        """A tool result cut at max_tool_response_tokens tokens."""
+        if self.max_tool_response_tokens is None:
+            return result
+        ids = tokenizer(result, add_special_tokens=False)["input_ids"]
+        return result if len(ids) <= self.max_tool_response_tokens else tokenizer.decode(
+            ids[: self.max_tool_response_tokens])
+
+    def _finish(self, rows: list[Trajectory]) -> None:
+        """Each environment's reward (`get_reward()`), and the instance let go."""
+        if self.toolset.environment is None:
+            return
+        live = [n for n, row in enumerate(rows) if not row.lost]
+        outcomes, _ = self.runner.run([(n, finish_environment, (rows[n].key,)) for n in live])
+        for n, outcome in zip(live, outcomes):
+            if outcome.failure is not None:
+                rows[n].lost = "EnvironmentLost" in outcome.detail or outcome.failure == "timeout"
+            elif outcome.value is not None:
+                rows[n].reward = outcome.value
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def assemble(tokenizer, rows: list[Trajectory], tool_names: list[str]) -> Generated:
+    """The trajectories as `Completions` (prompts left-padded, completions right-padded) with their `turns`, and
+    the per-row counts in `extra`."""
+    pad = tokenizer.pad_token_id
+    width = max(len(row.prompt_ids) for row in rows)
+    length = max(1, max(len(row.tokens) for row in rows))
+
+    def right(values: list, fill) -> list:
+        return values + [fill] * (length - len(values))
+
+    prompt_ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows])  # [N, P]
+    prompt_mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows])
+    completion_ids = torch.tensor([right(r.tokens, pad) for r in rows])  # [N, C]
+    completion_mask = torch.tensor([right([1] * len(r.tokens), 0) for r in rows])
+    turns = torch.tensor([right(r.turns, 0) for r in rows])  # [N, C]
+    logprobs = torch.tensor([right(r.logprobs, 0.0) for r in rows], dtype=torch.float32)
+    texts = [final_text(r.messages) for r in rows]
+    completions = Completions(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                              torch.tensor([r.truncated for r in rows]), texts, logprobs, turns,
+                              [r.messages for r in rows])
+    extra = {
+        "tool_calls": torch.tensor([float(sum(r.calls.values())) for r in rows]),
+        "tool_failures": torch.tensor([float(r.failures) for r in rows]),
+        "turns": torch.tensor([float(max(r.turns, default=0)) for r in rows]),
+        "lost": torch.tensor([float(r.lost) for r in rows]),
+        "environment_reward": torch.tensor([r.reward for r in rows]),
+        **{f"tool_calls/{name}": torch.tensor([float(r.calls[name]) for r in rows]) for name in tool_names},
+    }
+    return Generated(completions, None, extra)
+
+
+def final_text(messages: list[dict]) -> str:
+    """What a task's checker reads of a trajectory: the content of its last assistant turn."""
+    replies = [m for m in messages if m["role"] == "assistant"]
+    return replies[-1]["content"] if replies else ""
+
+
+def generate_rows(backend, tokenizer, render, examples: list, sampling, row_seeds: Tensor | None,
+                  batch_size: int | None = None, routing=None, agent: MultiTurn | None = None) -> Generated:
+    """One completion per example (repeat examples for groups) from `backend`, in calls of `batch_size` rows:
+    single-turn, the rendered prompts, row n from `row_seeds[n]`, the experts `routing` records; multi-turn
+    (`agent`), its loop."""
+    if agent is not None:
+        return agent.generate(backend, tokenizer, render, examples, sampling, row_seeds, batch_size)
+    texts = render.texts(examples)
+    size = batch_size or len(texts)
+    parts = [backend.generate(tokenizer, texts[start : start + size], sampling,
+                              None if row_seeds is None else row_seeds[start : start + size], routing)
+             for start in range(0, len(texts), size)]
+    return parts[0] if len(parts) == 1 else Generated.cat(parts, tokenizer.pad_token_id)
+
+
+def trajectories(tokenizer, completions: Completions) -> list[str | None]:
+    """Each multi-turn row turn by turn, as the samples tables show it: the model's turns as it wrote them, each
+    tool result marked as ⟦tool: ...⟧ (None for every row of a single-turn batch).
+
+    >>> from gspo_lab.models.tokenizer import char_tokenizer
+    >>> tok = char_tokenizer(); ids = tok("ab12c", add_special_tokens=False)["input_ids"]
+    >>> rows = Completions(None, None, torch.tensor([ids]), torch.ones(1, 5), None, [""], turns=torch.tensor([[1, 1, 0, 0, 2]]))
+    >>> trajectories(tok, rows)
+    ['ab⟦tool: 12⟧c']
+    """
+    if completions.turns is None:
+        return [None] * len(completions.completion_ids)
+    shown = []
+    for ids, turns, mask in zip(completions.completion_ids.tolist(), completions.turns.tolist(),
+                                completions.completion_mask.tolist()):
+        pieces = []
+        for is_model, run in itertools.groupby(zip(ids, turns, mask), key=lambda t: t[1] > 0):
+            tokens = [token for token, _, real in run if real]
+            if tokens:
+                text = tokenizer.decode(tokens, skip_special_tokens=False)
+                pieces.append(text if is_model else f"⟦tool: {text}⟧")
+        shown.append("".join(pieces))
+    return shown
