@@ -59,6 +59,26 @@ def fast_rl(tiny, cold_start_cache) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="session")
+def tool_rl(tiny, cold_start_cache) -> list[str]:
+    """A fast multi-turn RL run: task=calculator, with a TRL-style tool and environment besides its own
+    (tests/tools/trl_style.py) and the environment's reward beside the task's; the one-layer model after a short
+    cold start at a high rate, which is enough for well-formed tool calls (wrong numbers) at temperature 0.5."""
+    return tiny + [
+        f"paths.cache_dir={cold_start_cache}", "task=calculator", "model.config.max_position_embeddings=320",
+        "task.tools=[gspo_lab.tasks.calculator.calculate,tests.tools.trl_style.multiply]",
+        "task.environment=tests.tools.trl_style.CounterEnv", "task.eval_size=8", "task.format_weight=0.5",
+        "reward.functions=[{_target_: gspo_lab.rewards.TaskReward, weight: 1.0},"
+        "{_target_: gspo_lab.rewards.environment_reward, weight: 0.1}]",
+        "sft.steps=150", "sft.eval_every=150", "sft.eval_size=8", "sft.target_accuracy=1.0", "sft.batch_size=32",
+        "sft.lr=3e-3", "sft.max_new_tokens=200",
+        "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=200",
+        "rollout.temperature=0.5",  # the short cold start's samples at 1 are rarely well-formed calls
+        "train.steps=2", "train.minibatches=2", "train.eval_every=2", "train.lr=1e-3",
+        "callbacks.progress.refresh_rate=0",
+    ]
+
+
 @pytest.fixture
 def rl_overrides(fast_rl, tmp_path) -> list[str]:
     """The fast RL run with its outputs in this test's tmp_path."""

@@ -80,13 +80,13 @@ def plan(cfg: DictConfig) -> Plan:
                                   str(trainer.precision))
         if parts["train"].micro_batch_size is not None:
             check_splittable(parts["objective"])
+        check_multi_turn(parts["task"], parts["rollout"], parts["routing"])
         if parts["routing"].replay != "off":  # raises for a dense or unsupported MoE
             find_routers(model_source.skeleton(), f"routing.replay={parts['routing'].replay}")
         backend.check(RunSettings(parts["rollout"], parts["train"], parts["routing"], parts["evaluation"].settings,
                                   model_source, "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
                                   isinstance(trainer.strategy, ModelParallelStrategy), trainer.num_nodes))
         check_strategy(model_source, trainer)
-        check_multi_turn(parts["task"], parts["rollout"], parts["routing"])
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error
     except (ValueError, FileNotFoundError) as error:

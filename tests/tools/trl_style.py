@@ -53,7 +53,7 @@ class CounterEnv:
 
     def reset(self, **kwargs) -> str | None:
         self.count = int(kwargs.get("start", 0))
-        return f" (the counter is at {self.count})"
+        return f" (the counter is at {self.count})" if "start" in kwargs else None
 
     def increment(self, step: int) -> str:
         """Add to the counter.

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from gspo_lab.rollout.completions import Completions, Generated
+from gspo_lab.rollout.sampling import draw_row_seeds
 from gspo_lab.tools import ToolCall, ToolRunner, Toolset, parse_tool_calls
 from gspo_lab.tools.runner import EnvironmentLost, call_environment, call_tool, finish_environment, start_environment
 from gspo_lab.tools.template import check_prefix_preserving, tool_suffix_ids
@@ -121,8 +122,6 @@ class MultiTurn:
             text = render.text(example, observation=observation, tools=self.schemas)
             row.prompt_ids = tokenizer(text, add_special_tokens=render.add_special_tokens)["input_ids"]
         if row_seeds is None and not sampling.greedy:
-            from gspo_lab.rollout.sampling import draw_row_seeds
-
             row_seeds = draw_row_seeds(len(rows))
         for turn in itertools.count(1):
             active = [n for n, row in enumerate(rows) if not row.done]
@@ -138,8 +137,9 @@ class MultiTurn:
         failed to start is lost)."""
         if self.toolset.environment is None:
             return [None] * len(rows)
-        calls = [(n, start_environment, (row.key, self.toolset.environment, {"prompt": e.prompt, "answer": e.answer, **e.meta}))
-                 for n, (row, e) in enumerate(zip(rows, examples))]
+        columns = [{"prompt": e.prompt, "answer": e.answer, **e.meta} for e in examples]  # TRL: reset(**row)
+        calls = [(n, start_environment, (row.key, self.toolset.environment, row_columns))
+                 for n, (row, row_columns) in enumerate(zip(rows, columns))]
         outcomes, _ = self.runner.run(calls)
         observations = []
         for row, outcome in zip(rows, outcomes):
@@ -166,14 +166,15 @@ class MultiTurn:
                 tokens = done.completion_ids[i, : lengths[i]].tolist()[:budget]
                 logprobs = None if done.logprobs is None else done.logprobs[i, : len(tokens)].tolist()
                 stopped = bool(not done.truncated[i]) and len(tokens) == lengths[i]
+                context = prompts[i]  # what the turn was generated from: a reply parser reads it as its prefix
                 row.add(tokens, turn, logprobs)
-                self._read_turn(tokenizer, row, tokens[:-1] if stopped else tokens, stopped)
+                self._read_turn(tokenizer, row, tokens[:-1] if stopped else tokens, stopped, context)
 
-    def _read_turn(self, tokenizer, row: Trajectory, tokens: list[int], stopped: bool) -> None:
-        """The turn's message and calls; the row ends where the turn has none, ran out of budget, or used the
-        last round of calls."""
+    def _read_turn(self, tokenizer, row: Trajectory, tokens: list[int], stopped: bool, context: list[int]) -> None:
+        """The turn's message and calls (`tokens` without the stop token, after `context`); the row ends where the
+        turn has none, ran out of budget, or used the last round of calls."""
         text = tokenizer.decode(tokens, skip_special_tokens=True)
-        calls, content = parse_tool_calls(text, tokenizer, tokens, row.prompt_ids, self.schemas)
+        calls, content = parse_tool_calls(text, tokenizer, tokens, context, self.schemas)
         row.messages.append({"role": "assistant", "content": content, "tool_calls": [c.message() for c in calls
                                                                                      if c.error is None]})
         row.pending = calls
@@ -209,7 +210,7 @@ class MultiTurn:
                     outcome = outcomes[result]
                     if outcome.failure is not None:
                         row.failures += 1
-                        if "EnvironmentLost" in outcome.detail:
+                        if EnvironmentLost.__name__ in outcome.detail:
                             row.lost = row.done = True
                     result = (outcome.value if outcome.failure is None else  # TRL's message: {"error": ...}
                               str({"error": f"{outcome.failure}: {outcome.detail}"}))
@@ -250,7 +251,7 @@ class MultiTurn:
         outcomes, _ = self.runner.run([(n, finish_environment, (rows[n].key,)) for n in live])
         for n, outcome in zip(live, outcomes):
             if outcome.failure is not None:
-                rows[n].lost = "EnvironmentLost" in outcome.detail or outcome.failure == "timeout"
+                rows[n].lost = EnvironmentLost.__name__ in outcome.detail or outcome.failure == "timeout"
             elif outcome.value is not None:
                 rows[n].reward = outcome.value
 
@@ -316,7 +317,8 @@ def trajectories(tokenizer, completions: Completions) -> list[str | None]:
 
     >>> from gspo_lab.models.tokenizer import char_tokenizer
     >>> tok = char_tokenizer(); ids = tok("ab12c", add_special_tokens=False)["input_ids"]
-    >>> rows = Completions(None, None, torch.tensor([ids]), torch.ones(1, 5), None, [""], turns=torch.tensor([[1, 1, 0, 0, 2]]))
+    >>> turns = torch.tensor([[1, 1, 0, 0, 2]])
+    >>> rows = Completions(None, None, torch.tensor([ids]), torch.ones(1, 5), None, [""], turns=turns)
     >>> trajectories(tok, rows)
     ['ab⟦tool: 12⟧c']
     """

@@ -118,9 +118,9 @@ def not_prefix_preserving(tokenizer) -> str:
     return (f"the chat template of {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} is not "
             "prefix-preserving: it renders an earlier turn differently once a tool result follows (Qwen3's strips "
             "<think> blocks; some templates drop tool calls), so the tokens trained on would not be the ones "
-            "generated. Save the checkpoint's tokenizer with a training template that keeps every turn as it was (TRL's "
-            "trl.chat_template_utils.get_training_chat_template gives one for Qwen3), or use a model whose template "
-            "preserves prefixes")
+            "generated. Save the checkpoint's tokenizer with a training template that keeps every turn as it was "
+            "(TRL's trl.chat_template_utils.get_training_chat_template gives one for Qwen3), or use a model whose "
+            "template preserves prefixes")
 
 
 def check_prefix_preserving(tokenizer, chat_template_kwargs: dict | None = None) -> None:

@@ -1,0 +1,84 @@
+"""Multi-turn RL end to end (task=calculator after a short cold start, with a TRL-style tool and environment from
+tests/tools/trl_style.py given through task.tools and task.environment): the trajectories call tools, the tools'
+tokens are attended but never the policy's, and r2 replays every position of the whole trajectory."""
+
+import json
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from gspo_lab.cold_start import policy_from_config
+from gspo_lab.step.updater import Updater
+from gspo_lab.train import ConfigError, build, plan, train
+from tests.numerics import RATIO_ROUNDING
+from tests.test_train import read_rows
+
+
+@pytest.mark.slow
+def test_a_trl_tool_and_environment_train_unchanged_through_the_config(compose, tool_rl, tmp_path):
+    cfg = compose(tool_rl + [f"paths.output_dir={tmp_path / 'run'}"])
+    start, _, _ = policy_from_config(cfg, instantiate(cfg.task))
+    train(cfg)
+    rows = read_rows(tmp_path / "run")
+    first = rows[0]
+    assert float(first["tools/call_frequency"]) > 0 and float(first["turns/mean"]) > 1
+    assert 0 < float(first["tokens/tool_fraction"]) < 1
+    assert "tools/multiply/call_frequency" in first and "tools/increment/call_frequency" in first
+    assert first["reward/environment_reward/mean"] != ""  # CounterEnv's get_reward scored the rows
+    trained, _ = instantiate(cfg.model).load_from(tmp_path / "run" / "final")
+    assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), trained.parameters()))
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples" / "step_0.jsonl").read_text().splitlines()]
+    assert any("⟦tool: <tool_response>" in row["trajectory"] for row in samples), samples[0]
+
+
+@pytest.mark.slow
+def test_the_tools_tokens_are_attended_and_out_of_the_loss(compose, tool_rl, tmp_path, monkeypatch):
+    """A real multi-turn batch: its tool tokens are in attention_mask and not in loss_mask, and log-probs changed
+    there change neither the loss nor its gradient."""
+    seen = []
+    real_update = Updater.update
+
+    def kept(self, batch, *args, **kwargs):
+        seen.append(batch)
+        return real_update(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(Updater, "update", kept)
+    run, module, _ = build(compose(tool_rl + [f"paths.output_dir={tmp_path / 'run'}", "train.steps=1"]))
+    run.trainer.fit(module)
+    batch = seen[0]
+    attended = batch.attention_mask[:, -batch.completion_len :].bool()
+    tools = attended & (batch.turns == 0)
+    assert tools.any() and not batch.loss_mask.bool()[tools].any()
+    assert torch.equal(batch.loss_mask.bool(), attended & (batch.turns > 0))
+    logp = module.policy.logprobs(batch)[0].detach()
+    results = []
+    for noise in (0.0, 3.0):
+        moved = (logp + noise * tools).requires_grad_(True)
+        out = module.objective(moved, batch.old_logp, batch.advantages, batch.loss_mask, turns=batch.turns)
+        (grad,) = torch.autograd.grad(out.loss, moved)
+        results.append((out.loss.item(), grad))
+    assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
+    assert results[0][1][tools].eq(0).all()
+
+
+@pytest.mark.slow
+def test_r2_replays_every_position_of_the_whole_trajectory(compose, tool_rl, tmp_path):
+    """The first mini-batch runs the weights whose forward recorded the experts over prompt, turns and tool
+    results: replay (routing/override_frac is logged only where it ran) overrides no expert choice, and every
+    token ratio is 1."""
+    run, module, _ = build(compose(tool_rl + [f"paths.output_dir={tmp_path / 'run'}", "algorithm=grpo_rr",
+                                              "train.minibatches=1", "train.steps=1"]))
+    run.trainer.fit(module)
+    first = module.history[0]
+    assert first["turns/mean"] > 1
+    assert first["routing/override_frac"] == 0
+    assert abs(first["ratio/token/max"] - 1) <= RATIO_ROUNDING and abs(first["ratio/token/min"] - 1) <= RATIO_ROUNDING
+
+
+def test_r3_and_the_replay_backend_are_refused_with_tools(compose, tool_rl, tmp_path):
+    recorded = f"rollout.options.path={tmp_path / 'x.jsonl'}"
+    for overrides, message in ((["routing.replay=r3"], "routing.replay=r3 with task.tools"),
+                               (["rollout=replay", recorded], "rollout.backend=replay")):
+        with pytest.raises(ConfigError, match=message):
+            plan(compose(tool_rl + overrides + [f"paths.output_dir={tmp_path / 'run'}"]))

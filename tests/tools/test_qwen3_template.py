@@ -1,0 +1,45 @@
+"""Qwen3's real chat template (TRL ships a copy, trl/chat_templates/qwen3.jinja) on a character tokenizer with
+Qwen3's special tokens: refused as not prefix-preserving (it strips earlier <think> blocks), accepted once replaced
+by TRL's training template, and its replies parsed by transformers' parser (the response template TRL's
+add_response_schema sets)."""
+
+from pathlib import Path
+
+import pytest
+
+from gspo_lab.models.tokenizer import ALPHABET, char_tokenizer
+from gspo_lab.tools import parse_tool_calls
+from gspo_lab.tools.template import check_prefix_preserving, tool_suffix_ids
+
+trl = pytest.importorskip("trl")
+from trl.chat_template_utils import add_response_schema, get_training_chat_template  # noqa: E402
+
+
+@pytest.fixture
+def qwen3():
+    tok = char_tokenizer(ALPHABET + "\n")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "eos_token": "<|im_end|>"})
+    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    return tok
+
+
+def test_qwen3_is_refused_and_its_training_template_accepted(qwen3):
+    with pytest.raises(ValueError, match="not prefix-preserving"):
+        check_prefix_preserving(qwen3)
+    qwen3.chat_template = get_training_chat_template(qwen3)
+    check_prefix_preserving(qwen3)
+    suffix = qwen3.decode(tool_suffix_ids(qwen3, [{"role": "tool", "name": "f", "content": "42"}]))
+    assert suffix == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_tokenizer_with_a_response_template_is_parsed_by_it(qwen3):
+    add_response_schema(qwen3)
+    assert qwen3.response_template is not None
+    text = ('<think>\nthree times four\n</think>\n\n'
+            '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
+    ids = qwen3(text, add_special_tokens=False)["input_ids"]
+    prompt = qwen3.apply_chat_template([{"role": "user", "content": "q"}], add_generation_prompt=True,
+                                       return_dict=False)
+    calls, _ = parse_tool_calls(text, qwen3, ids, prompt)
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("multiply", {"a": 3, "b": 4}, None)]
