@@ -1,6 +1,6 @@
 """Multi-turn RL end to end (task=calculator after a short cold start, with a TRL-style tool and environment from
 tests/tools/trl_style.py given through task.tools and task.environment): the trajectories call tools, the tools'
-tokens are attended but never the policy's, and r2 replays every position of the whole trajectory."""
+tokens are attended but never the policy's, and r2 and r3 replay every position of the whole trajectory."""
 
 import json
 
@@ -63,12 +63,16 @@ def test_the_tools_tokens_are_attended_and_out_of_the_loss(compose, tool_rl, tmp
 
 
 @pytest.mark.slow
-def test_r2_replays_every_position_of_the_whole_trajectory(compose, tool_rl, tmp_path):
-    """The first mini-batch runs the weights whose forward recorded the experts over prompt, turns and tool
-    results: replay (routing/override_frac is logged only where it ran) overrides no expert choice, and every
-    token ratio is 1."""
-    run, module, _ = build(compose(tool_rl + [f"paths.output_dir={tmp_path / 'run'}", "algorithm=grpo_rr",
-                                              "train.minibatches=1", "train.steps=1"]))
+@pytest.mark.parametrize("overrides", [["algorithm=grpo_rr"],
+                                       ["algorithm=grpo", "routing.replay=r3", "rollout.logprobs_from_generation=true"]],
+                         ids=["r2", "r3"])
+def test_replay_reproduces_the_recorded_experts_over_whole_trajectories(overrides, compose, tool_rl, tmp_path):
+    """The first mini-batch runs the weights that recorded the experts over prompt, turns and tool results (r2:
+    the old-policy forward; r3: generation, each row's trace from its last turn's call, whose prefill ran every
+    earlier position): replay (routing/override_frac is logged only where it ran) overrides no expert choice,
+    and every token ratio is 1."""
+    run, module, _ = build(compose(tool_rl + overrides + [f"paths.output_dir={tmp_path / 'run'}",
+                                                          "train.minibatches=1", "train.steps=1"]))
     run.trainer.fit(module)
     first = module.history[0]
     assert first["turns/mean"] > 1
@@ -76,9 +80,7 @@ def test_r2_replays_every_position_of_the_whole_trajectory(compose, tool_rl, tmp
     assert abs(first["ratio/token/max"] - 1) <= RATIO_ROUNDING and abs(first["ratio/token/min"] - 1) <= RATIO_ROUNDING
 
 
-def test_r3_and_the_replay_backend_are_refused_with_tools(compose, tool_rl, tmp_path):
+def test_the_replay_backend_is_refused_with_tools(compose, tool_rl, tmp_path):
     recorded = f"rollout.options.path={tmp_path / 'x.jsonl'}"
-    for overrides, message in ((["routing.replay=r3"], "routing.replay=r3 with task.tools"),
-                               (["rollout=replay", recorded], "rollout.backend=replay")):
-        with pytest.raises(ConfigError, match=message):
-            plan(compose(tool_rl + overrides + [f"paths.output_dir={tmp_path / 'run'}"]))
+    with pytest.raises(ConfigError, match="rollout.backend=replay with task.tools"):
+        plan(compose(tool_rl + ["rollout=replay", recorded, f"paths.output_dir={tmp_path / 'run'}"]))

@@ -80,7 +80,7 @@ def plan(cfg: DictConfig) -> Plan:
                                   str(trainer.precision))
         if parts["train"].micro_batch_size is not None:
             check_splittable(parts["objective"])
-        check_multi_turn(parts["task"], parts["rollout"], parts["routing"])
+        check_multi_turn(parts["task"], parts["rollout"])
         if parts["routing"].replay != "off":  # raises for a dense or unsupported MoE
             find_routers(model_source.skeleton(), f"routing.replay={parts['routing'].replay}")
         backend.check(RunSettings(parts["rollout"], parts["train"], parts["routing"], parts["evaluation"].settings,
@@ -96,19 +96,12 @@ def plan(cfg: DictConfig) -> Plan:
                 ckpt_path=resolve_checkpoint(cfg.get("ckpt_path"), run_dir), **parts)
 
 
-def check_multi_turn(task, rollout, routing) -> None:
-    """A task with tools or an environment (multi-turn, gspo_lab.rollout.multi_turn) on what supports it: a
-    backend that continues from token ids (hf, vllm), and routing replay r2 or none (r3 records the engine's
-    experts per turn, which the loop does not stitch into one trajectory yet)."""
-    if task.toolset is None:
-        return
-    if rollout.backend == "replay":
+def check_multi_turn(task, rollout) -> None:
+    """A task with tools or an environment (multi-turn, gspo_lab.rollout.multi_turn) on a backend that continues
+    from token ids (hf, vllm)."""
+    if task.toolset is not None and rollout.backend == "replay":
         raise ValueError("rollout.backend=replay with task.tools or task.environment: a recorded completion cannot "
                          "answer a tool result; use rollout.backend=hf or vllm")
-    if routing.replay == "r3":
-        raise ValueError("routing.replay=r3 with task.tools or task.environment: the engine's experts are recorded "
-                         "per turn and not yet stitched into one trajectory; use routing.replay=r2, which records "
-                         "every position of the whole trajectory in the old-policy forward")
 
 
 def check_advantage_settings(advantage: DictConfig) -> None:

@@ -329,7 +329,7 @@ class Objective:
             token = torch.exp(log_w[valid])  # w_i,t  [N_tokens]
             if token.numel() == 0:  # no valid token at all: report the on-policy values
                 seq = token = mask.new_ones(1)
-            return {
+            metrics = {
                 "ratio/seq/mean": seq.mean(), "ratio/seq/min": seq.min(), "ratio/seq/max": seq.max(),
                 "ratio/token/mean": token.mean(), "ratio/token/min": token.min(), "ratio/token/max": token.max(),
                 "ratio/clamp_frac": masked_mean(ratio.clamp_fired.to(mask.dtype), mask),
@@ -337,3 +337,28 @@ class Objective:
                 "mask/empty_rows": (~batch.valid_rows).sum().to(mask.dtype),
                 "mask/valid_tokens": mask.sum(),
             }
+            if batch.turns is not None:
+                metrics.update(after_tool_metrics(log_w, batch.turns, mask))
+            return metrics
+
+
+def after_tool_metrics(log_w: Tensor, turns: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Multi-turn: how the token ratio behaves on the model's first token after a tool result (the first token of
+    each turn after the first) against all its tokens, as token means over the model's tokens, which combine
+    exactly across micro-batches and ranks: turns/after_tool_frac (the share of those first tokens),
+    ratio/after_tool/abs_log (|log w| summed over them, per model token; divided by turns/after_tool_frac it is
+    their mean |log w|) and ratio/token/abs_log_mean (the mean |log w| of every model token).
+
+    >>> turns = torch.tensor([[1, 1, 0, 2, 2]]); mask = (turns > 0).double()
+    >>> m = after_tool_metrics(torch.tensor([[0.1, -0.1, 0.0, 0.4, 0.2]], dtype=torch.float64), turns, mask)
+    >>> keys = ("turns/after_tool_frac", "ratio/after_tool/abs_log", "ratio/token/abs_log_mean")
+    >>> [round(m[k].item(), 6) for k in keys]
+    [0.25, 0.1, 0.2]
+    """
+    before = torch.nn.functional.pad(turns[:, :-1], (1, 0))  # [B, T] the turn of the position before (0: a tool's)
+    first = ((turns > 1) & (before == 0)).to(mask.dtype) * mask  # [B, T]
+    return {
+        "turns/after_tool_frac": masked_mean(first, mask),
+        "ratio/after_tool/abs_log": masked_mean(log_w.abs() * first, mask),
+        "ratio/token/abs_log_mean": masked_mean(log_w.abs(), mask),
+    }

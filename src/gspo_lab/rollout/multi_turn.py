@@ -15,8 +15,10 @@ token ids:
    (`max_new_tokens`, the model's and the tools' tokens together) runs out: then it is truncated.
 
 The result is one `Completions` row per prompt whose completion holds every turn, with `turns` marking the
-model's tokens (t >= 1 in turn t) apart from the tools' (0): the loss, the ratio, |y|, entropy, KL and the
-mismatch metrics see only the model's. The engine's log-probs are 0 on tool tokens. `Generated.extra` carries
+model's tokens (t >= 1 in turn t) apart from the tools' (0): the loss, the ratio, |y|, entropy, KL and the mismatch
+metrics see only the model's. The engine's log-probs are 0 on tool tokens. Where the backend records experts (the
+hf backend on an MoE), each row's routing trace covers its whole trajectory: it comes from the row's last turn's
+call, whose prefill ran every earlier position (r3). `Generated.extra` carries
 per row: `tool_calls`, `tool_failures`, `tool_calls/<name>`, `turns` (the model's turns), `lost` (a worker
 that held the row's environment died: the row is not trained on) and `environment_reward` (`get_reward()`,
 NaN where there is none).
@@ -34,6 +36,7 @@ from torch import Tensor
 
 from gspo_lab.rollout.completions import Completions, Generated
 from gspo_lab.rollout.sampling import draw_row_seeds
+from gspo_lab.routing.trace import RoutingTrace
 from gspo_lab.tools import ToolCall, ToolRunner, Toolset, parse_tool_calls
 from gspo_lab.tools.runner import EnvironmentLost, call_environment, call_tool, finish_environment, start_environment
 from gspo_lab.tools.template import check_prefix_preserving, tool_suffix_ids
@@ -65,6 +68,9 @@ class Trajectory:
     failures: int = 0
     rounds: int = 0  # turns that called tools
     pending: list[ToolCall] = field(default_factory=list)  # the calls of its last turn
+    # the engine's experts over the whole row ([layers, L, k], [L]), from its last turn's call: that call's prefill
+    # ran every earlier position, the last token of each earlier turn included (NeMo-RL#3485's refresh)
+    trace: tuple[Tensor, Tensor] | None = None
     truncated: bool = False
     done: bool = False
     lost: bool = False
@@ -112,9 +118,10 @@ class MultiTurn:
         check_prefix_preserving(tokenizer, self.chat_template_kwargs)
 
     def generate(self, backend, tokenizer, render, examples: list, sampling, row_seeds: Tensor | None,
-                 batch_size: int | None = None) -> Generated:
+                 batch_size: int | None = None, routing=None) -> Generated:
         """One trajectory per example (repeat examples for groups), row n from the seeds of `row_seeds[n]`,
-        `batch_size` rows per `generate` call (None: all)."""
+        `batch_size` rows per `generate` call (None: all); `routing` (gspo_lab.routing.RoutingReplay) records the
+        engine's experts where the backend can, stitched into one trace of every row's whole trajectory."""
         call = next(self._calls)
         rows = [Trajectory([], f"{id(self)}-{call}-{n}") for n in range(len(examples))]
         observations = self._start(rows, examples)
@@ -127,7 +134,7 @@ class MultiTurn:
             active = [n for n, row in enumerate(rows) if not row.done]
             if not active:
                 break
-            self._turn(backend, tokenizer, sampling, rows, active, turn, row_seeds, batch_size)
+            self._turn(backend, tokenizer, sampling, rows, active, turn, row_seeds, batch_size, routing)
             self._run_tools(tokenizer, sampling, rows, [n for n in active if not rows[n].done])
         self._finish(rows)
         return assemble(tokenizer, rows, self.toolset.names)
@@ -149,8 +156,8 @@ class MultiTurn:
             observations.append(value if isinstance(value, str) else None)
         return observations
 
-    def _turn(self, backend, tokenizer, sampling, rows, active, turn, row_seeds, batch_size) -> None:
-        """Generate one turn of each active row and parse its calls."""
+    def _turn(self, backend, tokenizer, sampling, rows, active, turn, row_seeds, batch_size, routing) -> None:
+        """Generate one turn of each active row, keep the engine's experts where recorded, parse its calls."""
         budgets = [sampling.max_new_tokens - len(rows[n].tokens) for n in active]
         step = replace(sampling, max_new_tokens=max(budgets))
         seeds = None if row_seeds is None else turn_seeds(row_seeds[active], turn - 1)
@@ -158,8 +165,10 @@ class MultiTurn:
         for start in range(0, len(active), size):
             chunk = active[start : start + size]
             prompts = [rows[n].prompt_ids + rows[n].tokens for n in chunk]
-            out = backend.generate(tokenizer, prompts, step, None if seeds is None else seeds[start : start + size])
+            out = backend.generate(tokenizer, prompts, step, None if seeds is None else seeds[start : start + size],
+                                   routing)
             done = out.completions
+            width = done.prompt_ids.shape[1]  # the call's left-padded prompt columns
             lengths = done.completion_mask.sum(-1).tolist()
             for i, n in enumerate(chunk):
                 row, budget = rows[n], budgets[start + i]
@@ -167,6 +176,9 @@ class MultiTurn:
                 logprobs = None if done.logprobs is None else done.logprobs[i, : len(tokens)].tolist()
                 stopped = bool(not done.truncated[i]) and len(tokens) == lengths[i]
                 context = prompts[i]  # what the turn was generated from: a reply parser reads it as its prefix
+                if out.routing_trace is not None:  # the row's span: its context, then the turn's tokens
+                    span = slice(width - len(context), width + len(tokens))
+                    row.trace = (out.routing_trace.indices[:, i, span], out.routing_trace.recorded[i, span])
                 row.add(tokens, turn, logprobs)
                 self._read_turn(tokenizer, row, tokens[:-1] if stopped else tokens, stopped, context)
 
@@ -279,6 +291,18 @@ def assemble(tokenizer, rows: list[Trajectory], tool_names: list[str]) -> Genera
     completions = Completions(prompt_ids, prompt_mask, completion_ids, completion_mask,
                               torch.tensor([r.truncated for r in rows]), texts, logprobs, turns,
                               [r.messages for r in rows])
+    traced = [r.trace for r in rows if r.trace is not None]
+    trace = None
+    if traced:  # every row's span placed where its tokens are: its prompt right-aligned to `width`
+        layers, _, k = traced[0][0].shape
+        indices = traced[0][0].new_zeros(layers, len(rows), width + length, k)
+        recorded = torch.zeros(len(rows), width + length, dtype=torch.bool)
+        for n, row in enumerate(rows):
+            if row.trace is not None:
+                start = width - len(row.prompt_ids)
+                indices[:, n, start : start + row.trace[0].shape[1]] = row.trace[0]
+                recorded[n, start : start + row.trace[1].shape[0]] = row.trace[1]
+        trace = RoutingTrace(indices, recorded, width)
     extra = {
         "tool_calls": torch.tensor([float(sum(r.calls.values())) for r in rows]),
         "tool_failures": torch.tensor([float(r.failures) for r in rows]),
@@ -287,7 +311,7 @@ def assemble(tokenizer, rows: list[Trajectory], tool_names: list[str]) -> Genera
         "environment_reward": torch.tensor([r.reward for r in rows]),
         **{f"tool_calls/{name}": torch.tensor([float(r.calls[name]) for r in rows]) for name in tool_names},
     }
-    return Generated(completions, None, extra)
+    return Generated(completions, trace, extra)
 
 
 def final_text(messages: list[dict]) -> str:
@@ -302,7 +326,7 @@ def generate_rows(backend, tokenizer, render, examples: list, sampling, row_seed
     single-turn, the rendered prompts, row n from `row_seeds[n]`, the experts `routing` records; multi-turn
     (`agent`), its loop."""
     if agent is not None:
-        return agent.generate(backend, tokenizer, render, examples, sampling, row_seeds, batch_size)
+        return agent.generate(backend, tokenizer, render, examples, sampling, row_seeds, batch_size, routing)
     texts = render.texts(examples)
     size = batch_size or len(texts)
     parts = [backend.generate(tokenizer, texts[start : start + size], sampling,
