@@ -125,9 +125,13 @@ class MultiTurn:
         call = next(self._calls)
         rows = [Trajectory([], f"{id(self)}-{call}-{n}") for n in range(len(examples))]
         observations = self._start(rows, examples)
+        prompts: dict[tuple[int, str | None], list[int]] = {}  # a group's rows share a prompt unless reset differs
         for row, example, observation in zip(rows, examples, observations):
-            text = render.text(example, observation=observation, tools=self.schemas)
-            row.prompt_ids = tokenizer(text, add_special_tokens=render.add_special_tokens)["input_ids"]
+            key = (id(example), observation)
+            if key not in prompts:
+                text = render.text(example, observation=observation, tools=self.schemas)
+                prompts[key] = tokenizer(text, add_special_tokens=render.add_special_tokens)["input_ids"]
+            row.prompt_ids = list(prompts[key])
         if row_seeds is None and not sampling.greedy:
             row_seeds = draw_row_seeds(len(rows))
         for turn in itertools.count(1):
@@ -327,7 +331,11 @@ def generate_rows(backend, tokenizer, render, examples: list, sampling, row_seed
     (`agent`), its loop."""
     if agent is not None:
         return agent.generate(backend, tokenizer, render, examples, sampling, row_seeds, batch_size, routing)
-    texts = render.texts(examples)
+    rendered: dict[int, str] = {}  # a group's rows are one example: rendered once
+    for example in examples:
+        if id(example) not in rendered:
+            rendered[id(example)] = render.text(example)
+    texts = [rendered[id(example)] for example in examples]
     size = batch_size or len(texts)
     parts = [backend.generate(tokenizer, texts[start : start + size], sampling,
                               None if row_seeds is None else row_seeds[start : start + size], routing)

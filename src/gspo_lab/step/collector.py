@@ -195,7 +195,7 @@ def tool_metrics(generated: Generated) -> dict[str, float]:
     """A multi-turn round's tool use (gspo_lab.rollout.multi_turn): tools/call_frequency (calls per trajectory),
     tools/failure_frequency (calls that raised, timed out or did not parse, per call; TRL's), tools/<name>/
     call_frequency, turns/mean (the model's turns per trajectory), tokens/tool_fraction (the tools' share of the
-    completion tokens) and tools/lost (trajectories whose environment's worker died)."""
+    completion tokens) and tools/lost_frac (the share of trajectories whose environment's worker died)."""
     extra, completions = generated.extra, generated.completions
     calls = extra["tool_calls"].sum().item()
     tokens = completions.completion_mask.sum().item()
@@ -204,7 +204,7 @@ def tool_metrics(generated: Generated) -> dict[str, float]:
         "tools/failure_frequency": extra["tool_failures"].sum().item() / calls if calls else 0.0,
         "turns/mean": extra["turns"].mean().item(),
         "tokens/tool_fraction": 1.0 - completions.policy_mask.sum().item() / tokens if tokens else 0.0,
-        "tools/lost": extra["lost"].sum().item(),
+        "tools/lost_frac": extra["lost"].mean().item(),
     }
     for key in extra:
         if key.startswith("tool_calls/"):
