@@ -40,6 +40,8 @@ from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import load_pretrained
 from gspo_lab.report.summary import eval_engine
 from gspo_lab.rollout.backend import RolloutBackend, backend_class, build_backend
+from gspo_lab.rollout.multi_turn import MultiTurn
+from gspo_lab.tools import ToolRunner
 
 log = logging.getLogger(__name__)
 TOOL_KEYS = ("checkpoint", "tokenizer", "progress")  # gspo-eval's own keys (conf/gspo_eval.yaml)
@@ -163,9 +165,12 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
     try:
         plan = build_eval(cfg, instantiate(cfg.task), instantiate(cfg.prompt), cfg.train.get("on_reward_error", "zero"))
         plan.fit(model, tokenizer, cfg.rollout.max_new_tokens)  # the prompts training held out, no others
+        rollout = instantiate(cfg.rollout)
+        tools = ToolRunner(rollout.tool_workers, rollout.tool_timeout_s)  # a task with tools evaluates multi-turn
+        agent_of = MultiTurn.factory(rollout, tools, tokenizer, instantiate(cfg.prompt).chat_template_kwargs)
+        evaluator = plan.evaluator(tokenizer, rollout.max_new_tokens, rollout.stop_token_ids, cfg.seed, agent_of)
     except ValueError as error:
         raise EvalError(str(error)) from error
-    evaluator = plan.evaluator(tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.get("stop_token_ids") or [], cfg.seed)
     # a backend only where it generates: vLLM's; an hf engine (maybe a quantised copy) evaluates on the model itself
     engine = rollout_backend(cfg, model, evaluator.settings.engine)
     total = sum(len(s.examples) * (evaluator.settings.greedy + evaluator.settings.n) for s in evaluator.sets)
@@ -175,6 +180,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
             metrics, rows = evaluator.run(model, tokenizer, progress=bar.update, backend=backend)
     finally:
         plan.close()
+        tools.close()
         if engine is not None:
             engine.close()
     metrics.update(generated_by)

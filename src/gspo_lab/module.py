@@ -109,14 +109,7 @@ class RLModule(L.LightningModule):
         self.render = (prompt or PromptFormat()).bind(tokenizer)
         # tools and environments of a multi-turn task run in these workers (started on first use)
         self.tool_runner = ToolRunner(rollout.tool_workers, rollout.tool_timeout_s)
-        chat_kwargs = self.render.format.chat_template_kwargs
-
-        def agent_of(of_task: Task) -> MultiTurn | None:
-            agent = MultiTurn.of(of_task, rollout, self.tool_runner, chat_kwargs)
-            if agent is not None:
-                agent.check(tokenizer)
-            return agent
-
+        agent_of = MultiTurn.factory(rollout, self.tool_runner, tokenizer, self.render.format.chat_template_kwargs)
         self.evaluation = evaluation or EvalPlan(EvalSettings(), [SetSpec(HELDOUT, task, prompt or PromptFormat(),
                                                                           None, None)])
         self.evaluator = self.evaluation.evaluator(tokenizer, rollout.max_new_tokens, rollout.stop_token_ids, seed,

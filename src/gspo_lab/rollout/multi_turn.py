@@ -110,6 +110,19 @@ class MultiTurn:
         return cls(task.toolset, runner, rollout.max_tool_calls or 2**31, rollout.max_tool_response_tokens,
                    chat_template_kwargs)
 
+    @classmethod
+    def factory(cls, rollout, runner: ToolRunner, tokenizer, chat_template_kwargs: dict | None = None):
+        """`agent_of(task)`: the checked loop of each task with tools for `tokenizer` (None for a single-turn
+        task), as the RL step and every evaluation set take it."""
+
+        def agent_of(task) -> MultiTurn | None:
+            agent = cls.of(task, rollout, runner, chat_template_kwargs)
+            if agent is not None:
+                agent.check(tokenizer)
+            return agent
+
+        return agent_of
+
     def check(self, tokenizer) -> None:
         """Refuse a tokenizer without a chat template, or with one that is not prefix-preserving."""
         if not getattr(tokenizer, "chat_template", None):
