@@ -62,10 +62,11 @@ def test_the_tools_tokens_are_attended_and_out_of_the_loss(compose, tool_rl, tmp
     assert results[0][1][tools].eq(0).all()
 
 
+R3 = ["algorithm=grpo", "routing.replay=r3", "rollout.logprobs_from_generation=true"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [["algorithm=grpo_rr"],
-                                       ["algorithm=grpo", "routing.replay=r3", "rollout.logprobs_from_generation=true"]],
-                         ids=["r2", "r3"])
+@pytest.mark.parametrize("overrides", [["algorithm=grpo_rr"], R3], ids=["r2", "r3"])
 def test_replay_reproduces_the_recorded_experts_over_whole_trajectories(overrides, compose, tool_rl, tmp_path):
     """The first mini-batch runs the weights that recorded the experts over prompt, turns and tool results (r2:
     the old-policy forward; r3: generation, each row's trace from its last turn's call, whose prefill ran every

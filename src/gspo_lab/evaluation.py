@@ -36,7 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gspo_lab.config import RolloutConfig
 from gspo_lab.eval_metrics import maj_at_k, pass_at_k
 from gspo_lab.grading import GradingPool
-from gspo_lab.prompts import Renderer
+from gspo_lab.prompts import PromptFormat, Renderer
 from gspo_lab.rewards import WeightedRewards
 from gspo_lab.rollout.backend import RolloutBackend, Sampling
 from gspo_lab.rollout.completions import reward_inputs
@@ -77,10 +77,11 @@ def accuracy(
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         if agent is not None:
+            rendered = render or PromptFormat().bind(tokenizer)
             sampling = Sampling(max_new_tokens, temperature or 1.0, greedy=temperature is None,
-                                stop_token_ids=tuple(stop_token_ids), add_special_tokens=render.add_special_tokens,
+                                stop_token_ids=tuple(stop_token_ids), add_special_tokens=rendered.add_special_tokens,
                                 share_prompts=False, logprobs=False)
-            completions = agent.generate(RolloutEngine(model, RolloutConfig()), tokenizer, render, chunk, sampling,
+            completions = agent.generate(RolloutEngine(model, RolloutConfig()), tokenizer, rendered, chunk, sampling,
                                          None).completions
             correct += sum(grade(checker, chunk, completions.texts, False, grader).correct)
             continue

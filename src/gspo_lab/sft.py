@@ -147,7 +147,7 @@ class SFTModule(L.LightningModule):
         self.agent = None
         if self.tool_runner is not None:
             kwargs = render.format.chat_template_kwargs if render is not None else {}
-            self.agent = MultiTurn.of(task, RolloutConfig(), self.tool_runner, kwargs)
+            self.agent = MultiTurn.factory(RolloutConfig(), self.tool_runner, tokenizer, kwargs)(task)
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch, use_cache=False).loss  # no KV cache to build (and none under checkpointing)

@@ -1,4 +1,4 @@
-"""A rollout backend that writes scripted turns, for testing the multi-turn loop's bookkeeping exactly: row n's
+"""A rollout backend that writes scripted turns, for testing the multi-turn loop's bookkeeping exactly: a row's
 next turn is `script(everything so far, as text)`, its log-prob -0.5 per token. It satisfies the backend contract (token-id
 prompts, per-row seeds, the budget), and records the seeds each call gave each prompt."""
 

@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "GradingPool", "RewardContractError", "RewardFunction", "Scores", "TaskReward", "WeightedRewards",
-    "boxed_match", "build_rewards", "environment_reward", "check_signature", "exact_match", "math_accuracy", "may_hang", "numeric_match",
-    "reward_name", "soft_overlong_punishment", "think_format", "unwrapped",
+    "boxed_match", "build_rewards", "check_signature", "environment_reward", "exact_match", "math_accuracy",
+    "may_hang", "numeric_match", "reward_name", "soft_overlong_punishment", "think_format", "unwrapped",
 ]
 
 

@@ -110,8 +110,8 @@ class RolloutBackend(Protocol):
     def generate(self, tokenizer, prompts: list[str] | list[list[int]], sampling: Sampling,
                  row_seeds: Tensor | None = None, routing=None) -> Generated:
         """One completion per prompt (a text, or token ids taken as they are: a multi-turn rollout continues from
-        what was generated, never re-tokenised), row n sampled from the stream seeded by `row_seeds[n]` ([N] int64; None:
-        greedy, or drawn here), with the engine's log-probs of the sampled tokens; `routing` (a
+        what was generated, never re-tokenised), row n sampled from the stream seeded by `row_seeds[n]` ([N]
+        int64; None: greedy, or drawn here), with the engine's log-probs of the sampled tokens; `routing` (a
         gspo_lab.routing.RoutingReplay, or None) records the experts where the backend can."""
 
     def close(self) -> None:

@@ -120,7 +120,8 @@ class RolloutEngine:
     def close(self) -> None:
         """Nothing to stop: the copy, if any, is an ordinary module."""
 
-    def generate(self, tokenizer, prompts: list[str] | list[list[int]], sampling: Sampling, row_seeds: Tensor | None = None,
+    def generate(self, tokenizer, prompts: list[str] | list[list[int]], sampling: Sampling,
+                 row_seeds: Tensor | None = None,
                  routing=None) -> Generated:
         """One completion per prompt with transformers' `generate` (gspo_lab.rollout.generation), row n from the
         stream `row_seeds[n]`, with its log-probs, and the experts `routing` records in generation."""

@@ -238,7 +238,8 @@ class VLLMEngine:
             raise RuntimeError("vLLM did not reset its prefix cache after a weight sync (requests still running?): its "
                                "cached keys and values are the old weights', and the next rollout would reuse them")
 
-    def generate(self, tokenizer, prompts: list[str] | list[list[int]], sampling: Sampling, row_seeds: Tensor | None = None,
+    def generate(self, tokenizer, prompts: list[str] | list[list[int]], sampling: Sampling,
+                 row_seeds: Tensor | None = None,
                  routing=None) -> Generated:
         """The backend's contract (gspo_lab.rollout.backend) on vLLM, with the weights of the last `sync`: one
         completion per prompt, row n seeded by `row_seeds[n]` (greedy: none), cut at the stop ids as the hf

@@ -9,4 +9,5 @@ from gspo_lab.tasks.hf import HFDataset
 from gspo_lab.tasks.jsonl import JsonlTask
 from gspo_lab.tasks.reasoning_gym import ReasoningGym
 
-__all__ = ["Arithmetic", "Calculator", "Countdown", "Example", "GuessNumberTask", "HFDataset", "JsonlTask", "ReasoningGym", "Task"]
+__all__ = ["Arithmetic", "Calculator", "Countdown", "Example", "GuessNumberTask", "HFDataset", "JsonlTask",
+           "ReasoningGym", "Task"]
