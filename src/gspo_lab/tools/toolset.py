@@ -10,7 +10,8 @@ unchanged:
 `task.tools: [my_module.my_tool]` and `task.environment: my_module.MyEnv` name them by import path.
 
 >>> toolset = Toolset.of(["gspo_lab.tasks.calculator.calculate"], None)
->>> toolset.names, toolset.schemas()[0]["function"]["parameters"]["required"]
+>>> function = toolset.schemas()[0].get("function")
+>>> toolset.names, function.get("parameters").get("required")
 (['calculate'], ['expression'])
 """
 
