@@ -80,6 +80,21 @@ def tool_rl(tiny, cold_start_cache) -> list[str]:
 
 
 @pytest.fixture
+def updated_batches(monkeypatch) -> list:
+    """Every RolloutBatch the updates train on in this test, in order (Updater.update still runs them)."""
+    from gspo_lab.step.updater import Updater
+
+    seen, real_update = [], Updater.update
+
+    def kept(self, batch, *args, **kwargs):
+        seen.append(batch)
+        return real_update(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(Updater, "update", kept)
+    return seen
+
+
+@pytest.fixture
 def rl_overrides(fast_rl, tmp_path) -> list[str]:
     """The fast RL run with its outputs in this test's tmp_path."""
     return fast_rl + [f"paths.output_dir={tmp_path / 'run'}"]

@@ -16,7 +16,7 @@ from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
 from gspo_lab.objectives import GRPO, GSPO, GSPOToken, Objective
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import build_rewards
-from gspo_lab.rollout.multi_turn import final_text
+from gspo_lab.rollout.trajectory import final_text
 from gspo_lab.sft import SFTConfig
 
 CONF = Path(CONFIG_DIR)

@@ -9,7 +9,6 @@ import torch
 from hydra.utils import instantiate
 
 from gspo_lab.cold_start import policy_from_config
-from gspo_lab.step.updater import Updater
 from gspo_lab.train import ConfigError, build, plan, train
 from tests.numerics import RATIO_ROUNDING
 from tests.test_train import read_rows
@@ -33,20 +32,12 @@ def test_a_trl_tool_and_environment_train_unchanged_through_the_config(compose, 
 
 
 @pytest.mark.slow
-def test_the_tools_tokens_are_attended_and_out_of_the_loss(compose, tool_rl, tmp_path, monkeypatch):
+def test_the_tools_tokens_are_attended_and_out_of_the_loss(compose, tool_rl, tmp_path, updated_batches):
     """A real multi-turn batch: its tool tokens are in attention_mask and not in loss_mask, and log-probs changed
     there change neither the loss nor its gradient."""
-    seen = []
-    real_update = Updater.update
-
-    def kept(self, batch, *args, **kwargs):
-        seen.append(batch)
-        return real_update(self, batch, *args, **kwargs)
-
-    monkeypatch.setattr(Updater, "update", kept)
     run, module, _ = build(compose(tool_rl + [f"paths.output_dir={tmp_path / 'run'}", "train.steps=1"]))
     run.trainer.fit(module)
-    batch = seen[0]
+    batch = updated_batches[0]
     attended = batch.attention_mask[:, -batch.completion_len :].bool()
     tools = attended & (batch.turns == 0)
     assert tools.any() and not batch.loss_mask.bool()[tools].any()

@@ -42,7 +42,8 @@ from gspo_lab.rollout.backend import RolloutBackend, Sampling
 from gspo_lab.rollout.completions import reward_inputs
 from gspo_lab.rollout.engine import RolloutEngine
 from gspo_lab.rollout.generation import generate
-from gspo_lab.rollout.multi_turn import MultiTurn, generate_rows, trajectories
+from gspo_lab.rollout.multi_turn import MultiTurn, generate_rows
+from gspo_lab.rollout.trajectory import trajectories
 from gspo_lab.seeding import stream_seed
 from gspo_lab.tasks.base import Example, Task
 from gspo_lab.tasks.checks import Checker, grade

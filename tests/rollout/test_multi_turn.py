@@ -9,7 +9,8 @@ import torch
 from gspo_lab.models.tokenizer import char_tokenizer
 from gspo_lab.prompts import PromptFormat
 from gspo_lab.rollout.backend import Sampling
-from gspo_lab.rollout.multi_turn import MultiTurn, trajectories, turn_seeds
+from gspo_lab.rollout.multi_turn import MultiTurn, turn_seeds
+from gspo_lab.rollout.trajectory import trajectories
 from gspo_lab.tasks.base import Example
 from gspo_lab.tools import ToolRunner, Toolset
 from gspo_lab.tools.template import with_tool_template

@@ -358,23 +358,13 @@ def test_a_float32_head_the_engine_does_not_have_is_told(overrides, warned, comp
     assert ("computes its own in rollout.vllm.dtype=bfloat16" in caplog.text) is warned
 
 
-def test_a_multi_turn_run_continues_from_token_ids_on_the_engine(compose, tool_rl, tmp_path, monkeypatch):
+def test_a_multi_turn_run_continues_from_token_ids_on_the_engine(compose, tool_rl, tmp_path, updated_batches):
     """task=calculator with tools (tests/conftest.py's tool_rl) on vLLM: trajectories call tools, each turn
     continues from the token ids so far, the engine's log-probs cover the model's tokens (the trainer's, to float32
     rounding) and are 0 on the tools', which are attended and out of the loss."""
-    from gspo_lab.step.updater import Updater
-
-    seen = []
-    real_update = Updater.update
-
-    def kept(self, batch, *args, **kwargs):
-        seen.append(batch)
-        return real_update(self, batch, *args, **kwargs)
-
-    monkeypatch.setattr(Updater, "update", kept)
     run, module, _ = build(compose(tool_rl + VLLM + [f"paths.output_dir={tmp_path / 'run'}", "train.steps=1"]))
     run.trainer.fit(module)
-    first, batch = module.history[0], seen[0]
+    first, batch = module.history[0], updated_batches[0]
     assert first["tools/call_frequency"] > 0 and first["turns/mean"] > 1
     attended = batch.attention_mask[:, -batch.completion_len :].bool()
     tools = attended & (batch.turns == 0)

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from gspo_lab.objectives.entropy import EntropyCoefficient, check_entropy_settings, top_entropy_mask
 from gspo_lab.objectives.rollout_correction import CORRECTIONS, correction_weights, diagnostics, off_policy_mask
-from gspo_lab.tensors import k3, masked_mean  # noqa: F401 - re-exported: objectives import them from here
+from gspo_lab.tensors import after_tool_metrics, k3, masked_mean  # noqa: F401 - k3, masked_mean: re-exported
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -340,25 +340,3 @@ class Objective:
             if batch.turns is not None:
                 metrics.update(after_tool_metrics(log_w, batch.turns, mask))
             return metrics
-
-
-def after_tool_metrics(log_w: Tensor, turns: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """Multi-turn: how the token ratio behaves on the model's first token after a tool result (the first token of
-    each turn after the first) against all its tokens, as token means over the model's tokens, which combine
-    exactly across micro-batches and ranks: turns/after_tool_frac (the share of those first tokens),
-    ratio/after_tool/abs_log (|log w| summed over them, per model token; divided by turns/after_tool_frac it is
-    their mean |log w|) and ratio/token/abs_log_mean (the mean |log w| of every model token).
-
-    >>> turns = torch.tensor([[1, 1, 0, 2, 2]]); mask = (turns > 0).double()
-    >>> m = after_tool_metrics(torch.tensor([[0.1, -0.1, 0.0, 0.4, 0.2]], dtype=torch.float64), turns, mask)
-    >>> keys = ("turns/after_tool_frac", "ratio/after_tool/abs_log", "ratio/token/abs_log_mean")
-    >>> [round(m[k].item(), 6) for k in keys]
-    [0.25, 0.1, 0.2]
-    """
-    before = torch.nn.functional.pad(turns[:, :-1], (1, 0))  # [B, T] the turn of the position before (0: a tool's)
-    first = ((turns > 1) & (before == 0)).to(mask.dtype) * mask  # [B, T]
-    return {
-        "turns/after_tool_frac": masked_mean(first, mask),
-        "ratio/after_tool/abs_log": masked_mean(log_w.abs() * first, mask),
-        "ratio/token/abs_log_mean": masked_mean(log_w.abs(), mask),
-    }
