@@ -35,7 +35,8 @@ from gspo_lab.prompts import PromptFormat
 from gspo_lab.sft import SFTConfig, SFTModule
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 2  # bump when the SFT procedure changes what it produces (2: demonstrations from their own seed stream)
+CACHE_VERSION = 3  # bump when the SFT procedure changes what it produces (2: demonstrations from their own seed
+# stream; 3: the tiny tool template writes pythonic calls)
 INFO_FILE = "sft_info.json"
 
 

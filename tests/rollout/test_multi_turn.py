@@ -19,8 +19,18 @@ from tests.rollout.scripted import ScriptedBackend
 TOOLS = ["tests.tools.trl_style.multiply", "tests.tools.trl_style.explode", "tests.tools.trl_style.stall"]
 
 
+def fn(name: str, **arguments) -> str:
+    """One call in the tiny template's pythonic format."""
+    return name + "(" + ",".join(f"{key}={json.dumps(value)}" for key, value in arguments.items()) + ")"
+
+
+def calls(*written: str) -> str:
+    """A turn's calls, in the tiny template's one <tool_call> region."""
+    return "<tool_call>[" + ",".join(written) + "]</tool_call>"
+
+
 def call(name: str, **arguments) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+    return calls(fn(name, **arguments))
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +86,15 @@ def test_a_call_then_an_answer_token_in_token_out(tok, runner):
 
 def test_failures_return_an_error_to_the_model_and_are_counted(tok, runner):
     def script(text):
-        if "<tool_response>" in text:
-            return "done"
-        return (call("explode", reason="r") + call("nope") + "<tool_call>{bad</tool_call>"
-                + call("stall", seconds=30) + call("multiply", a=2, b=3))
+        if "<tool_response>" not in text:
+            return calls(fn("explode", reason="r"), fn("nope"), fn("stall", seconds=30), fn("multiply", a=2, b=3))
+        # a reply that does not parse is one failed call: the parser reads a reply whole
+        return "<tool_call>[bad(</tool_call>" if text.count("</tool_response>") == 4 else "done"
 
     out, _ = run(loop(runner), tok, script, [Example("q", "x")], budget=1000)
     responses = [m["content"] for m in out.completions.messages[0] if m["role"] == "tool"]
     assert "boom: r" in responses[0] and "no tool named 'nope'" in responses[1]
-    assert "not JSON" in responses[2] and "timeout" in responses[3] and responses[4] == "6"
+    assert "timeout" in responses[2] and responses[3] == "6" and "did not parse" in responses[4]
     assert out.extra["tool_calls"].tolist() == [5.0] and out.extra["tool_failures"].tolist() == [4.0]
     assert out.completions.texts == ["done"]
 

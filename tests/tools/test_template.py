@@ -79,3 +79,20 @@ def test_demonstration_tokens_are_what_a_rollout_holds_with_the_tools_masked():
     tools = tok.decode([t for t, m in zip(ids, mask) if not m])
     assert model == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>2<|im_end|>'
     assert tools == "\n<|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_tiny_template_writes_pythonic_calls_that_its_parser_reads_back_typed():
+    from gspo_lab.tasks.calculator import calculate
+    from gspo_lab.tasks.guess_number import GuessNumber
+    from gspo_lab.tools import Toolset, parse_tool_calls
+
+    tok = with_tool_template(char_tokenizer())
+    written = [{"type": "function", "function": {"name": "guess", "arguments": {"number": 12}}},
+               {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "12*34"}}}]
+    ids = demonstration_ids(tok, [{"role": "assistant", "content": "so", "tool_calls": written}])[0]
+    assert tok.decode(ids) == 'so<tool_call>[guess(number=12),calculate(expression="12*34")]</tool_call><eos>'
+    schemas = Toolset.of([f"{calculate.__module__}.calculate"], f"{GuessNumber.__module__}.GuessNumber").schemas()
+    calls, content = parse_tool_calls("", tok, ids[:-1], tok("q")["input_ids"], schemas)
+    assert [c.message() for c in calls] == written and content == "so"  # 12 read back as an int, by its schema
+    calls, _ = parse_tool_calls("", tok, tok('<tool_call>[guess(12)]</tool_call>')["input_ids"][1:], [], schemas)
+    assert calls[0].name == "" and "did not parse" in calls[0].error  # positional arguments are not the format

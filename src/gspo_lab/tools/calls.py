@@ -3,7 +3,9 @@
 A tokenizer that declares how its replies parse (transformers' `response_template`, which TRL's
 `add_response_schema` sets for Qwen3, Qwen3.5, Llama 3, GLM-4.5, GPT-OSS and others) is parsed by
 `tokenizer.parse_response`. Otherwise the calls are the Hermes / Qwen format that most templates use,
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the tiny models' tool template writes it too).
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. (The tiny models' tool template writes the pythonic
+format and declares its parser: gspo_lab.tools.template.) A reply the declared parser cannot read is one failed
+call.
 
 A call that does not parse (not JSON, no name, arguments that are not an object) is kept as a `ToolCall` with its
 `error`: the model is told what was wrong, and it counts as a failed call.

@@ -10,8 +10,13 @@ template with the way out (a training template saved with the tokenizer, as TRL'
 `get_training_chat_template` gives).
 
 The tiny models' tokenizers have no chat template; a task with tools gives them `TINY_TOOL_TEMPLATE`
-(`with_tool_template`): the prompt as it is, each assistant turn's text and its calls in the Qwen format, ended by
-EOS, each tool result in <tool_response> tags. Its four tags are tokens of their own.
+(`with_tool_template`): the prompt as it is, each assistant turn's text and its calls, ended by EOS, each tool
+result in <tool_response> tags. Its four tags are tokens of their own. The calls are written in the pythonic
+format (Llama 3.2's and vLLM's `pythonic` parser's), `<tool_call>[calculate(expression="12*34")]</tool_call>`:
+half the tokens of the JSON format, so that a character-level model sampling at temperature 1 has half the
+chances to break a call. The tokenizer declares how its replies parse (`TINY_RESPONSE_TEMPLATE`, transformers'
+`response_template` with its `python-call-list` parser), so `gspo_lab.tools.calls` reads them as it reads any
+model's that declares one.
 """
 
 from __future__ import annotations
@@ -24,10 +29,15 @@ TINY_TOOL_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message.role == 'assistant' -%}"
     "{{- message.content or '' -}}"
-    "{%- for call in message.tool_calls or [] -%}"
+    "{%- if message.tool_calls -%}<tool_call>["
+    "{%- for call in message.tool_calls -%}"
     "{%- set f = call.function if call.function is defined else call -%}"
-    '<tool_call>{"name":"{{ f.name }}","arguments":{{ f.arguments | tojson(separators=(",", ":")) }}}</tool_call>'
-    "{%- endfor -%}"
+    "{{- f.name }}("
+    "{%- for key, value in f.arguments.items() -%}{{ key }}={{ value | tojson }}{% if not loop.last %},{% endif %}"
+    "{%- endfor -%})"
+    "{%- if not loop.last %},{% endif -%}"
+    "{%- endfor -%}]</tool_call>"
+    "{%- endif -%}"
     "{{- eos_token -}}"
     "{%- elif message.role == 'tool' -%}"
     "<tool_response>{{ message.content }}</tool_response>"
@@ -36,14 +46,27 @@ TINY_TOOL_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
 )
+# How the tiny template's replies parse (transformers' response_template): the text outside the tags is the
+# content; the calls are a python-call-list in one <tool_call> region. The template writes nothing before an
+# assistant turn, so the reply starts where its prefix ends (the anchor \Z).
+TINY_RESPONSE_TEMPLATE = {
+    "start_anchor_pattern": r"\Z",
+    "fields": {
+        "content": {"content": "text"},
+        "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "python-call-list",
+                       "transform_each": True,
+                       "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{arguments}"}}},
+    },
+}
 DUMMY_USER = {"role": "user", "content": "dummy"}
 
 
 def with_tool_template(tokenizer):
-    """The tokenizer, given the tool tags as tokens of their own and `TINY_TOOL_TEMPLATE` (a tiny model's: it
-    has no template of its own)."""
+    """The tokenizer, given the tool tags as tokens of their own, `TINY_TOOL_TEMPLATE` and the parser of its
+    replies, `TINY_RESPONSE_TEMPLATE` (a tiny model's: it has no template of its own)."""
     tokenizer.add_tokens(list(TOOL_TAGS))
     tokenizer.chat_template = TINY_TOOL_TEMPLATE
+    tokenizer.response_template = TINY_RESPONSE_TEMPLATE
     return tokenizer
 
 
@@ -97,7 +120,7 @@ def demonstration_ids(tokenizer, messages: Sequence[dict], chat_template_kwargs:
     ...                                     {"role": "tool", "name": "f", "content": "2"},
     ...                                     {"role": "assistant", "content": "2"}])
     >>> tok.decode(ids), mask.count(0)
-    ('<tool_call>{"name":"f","arguments":{"x":1}}</tool_call><eos><tool_response>2</tool_response>2<eos>', 3)
+    ('<tool_call>[f(x=1)]</tool_call><eos><tool_response>2</tool_response>2<eos>', 3)
     """
     ids, mask, start = [], [], 0
     while start < len(messages):
