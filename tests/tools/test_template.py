@@ -96,3 +96,4 @@ def test_the_tiny_template_writes_pythonic_calls_that_its_parser_reads_back_type
     assert [c.message() for c in calls] == written and content == "so"  # 12 read back as an int, by its schema
     calls, _ = parse_tool_calls("", tok, tok('<tool_call>[guess(12)]</tool_call>')["input_ids"][1:], [], schemas)
     assert calls[0].name == "" and "did not parse" in calls[0].error  # positional arguments are not the format
+    assert parse_tool_calls("", tok, [], tok("q")["input_ids"], schemas) == ([], "")  # the stop token at once

@@ -63,6 +63,8 @@ def parse_tool_calls(text: str, tokenizer=None, ids: list[int] | None = None, pr
     stop token); with a tokenizer that has a `response_template`, its parser reads the turn's token `ids` after
     the context `prefix`, arguments typed by the `tools`' schemas."""
     if tokenizer is not None and getattr(tokenizer, "response_template", None) is not None and ids is not None:
+        if not ids:  # an empty reply (the stop token at once); parse_response would read [] as an empty batch
+            return [], ""
         try:
             parsed = tokenizer.parse_response(ids, prefix=prefix or [], tools=tools)
         except (ValueError, TypeError, KeyError) as error:
