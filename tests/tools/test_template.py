@@ -81,19 +81,22 @@ def test_demonstration_tokens_are_what_a_rollout_holds_with_the_tools_masked():
     assert tools == "\n<|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_the_tiny_template_writes_pythonic_calls_that_its_parser_reads_back_typed():
-    from gspo_lab.tasks.calculator import calculate
-    from gspo_lab.tasks.guess_number import GuessNumber
-    from gspo_lab.tools import Toolset, parse_tool_calls
+def test_the_tiny_template_writes_pythonic_calls_that_are_read_back_after_a_save(tmp_path):
+    from transformers import AutoTokenizer
+
+    from gspo_lab.tools import parse_tool_calls
 
     tok = with_tool_template(char_tokenizer())
     written = [{"type": "function", "function": {"name": "guess", "arguments": {"number": 12}}},
                {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "12*34"}}}]
     ids = demonstration_ids(tok, [{"role": "assistant", "content": "so", "tool_calls": written}])[0]
+    text = tok.decode(ids[:-1], skip_special_tokens=True)
     assert tok.decode(ids) == 'so<tool_call>[guess(number=12),calculate(expression="12*34")]</tool_call><eos>'
-    schemas = Toolset.of([f"{calculate.__module__}.calculate"], f"{GuessNumber.__module__}.GuessNumber").schemas()
-    calls, content = parse_tool_calls("", tok, ids[:-1], tok("q")["input_ids"], schemas)
-    assert [c.message() for c in calls] == written and content == "so"  # 12 read back as an int, by its schema
-    calls, _ = parse_tool_calls("", tok, tok('<tool_call>[guess(12)]</tool_call>')["input_ids"][1:], [], schemas)
-    assert calls[0].name == "" and "did not parse" in calls[0].error  # positional arguments are not the format
-    assert parse_tool_calls("", tok, [], tok("q")["input_ids"], schemas) == ([], "")  # the stop token at once
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)  # what gspo-eval and a resumed run parse with
+    calls, content = parse_tool_calls(text, loaded)
+    assert [c.message() for c in calls] == written and content == "so"  # 12 read back as an int
+    calls, _ = parse_tool_calls("<tool_call>[guess(12)]</tool_call><tool_call>[guess(number=3)]</tool_call>", loaded)
+    assert "keyword arguments only" in calls[0].error and calls[1].arguments == {"number": 3}  # region by region
+    assert parse_tool_calls("<tool_call>[guess(number=int('3'))]</tool_call>", loaded)[0][0].error  # literals only
+    assert parse_tool_calls("", loaded) == ([], "")  # the stop token at once

@@ -13,10 +13,8 @@ The tiny models' tokenizers have no chat template; a task with tools gives them 
 (`with_tool_template`): the prompt as it is, each assistant turn's text and its calls, ended by EOS, each tool
 result in <tool_response> tags. Its four tags are tokens of their own. The calls are written in the pythonic
 format (Llama 3.2's and vLLM's `pythonic` parser's), `<tool_call>[calculate(expression="12*34")]</tool_call>`:
-half the tokens of the JSON format, so that a character-level model sampling at temperature 1 has half the
-chances to break a call. The tokenizer declares how its replies parse (`TINY_RESPONSE_TEMPLATE`, transformers'
-`response_template` with its `python-call-list` parser), so `gspo_lab.tools.calls` reads them as it reads any
-model's that declares one.
+half the tokens of the JSON format, so that a character-level model has half the chances to break a call.
+`gspo_lab.tools.calls` reads it.
 """
 
 from __future__ import annotations
@@ -46,27 +44,14 @@ TINY_TOOL_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
 )
-# How the tiny template's replies parse (transformers' response_template): the text outside the tags is the
-# content; the calls are a python-call-list in one <tool_call> region. The template writes nothing before an
-# assistant turn, so the reply starts where its prefix ends (the anchor \Z).
-TINY_RESPONSE_TEMPLATE = {
-    "start_anchor_pattern": r"\Z",
-    "fields": {
-        "content": {"content": "text"},
-        "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "python-call-list",
-                       "transform_each": True,
-                       "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{arguments}"}}},
-    },
-}
 DUMMY_USER = {"role": "user", "content": "dummy"}
 
 
 def with_tool_template(tokenizer):
-    """The tokenizer, given the tool tags as tokens of their own, `TINY_TOOL_TEMPLATE` and the parser of its
-    replies, `TINY_RESPONSE_TEMPLATE` (a tiny model's: it has no template of its own)."""
+    """The tokenizer, given the tool tags as tokens of their own and `TINY_TOOL_TEMPLATE` (a tiny model's: it
+    has no template of its own)."""
     tokenizer.add_tokens(list(TOOL_TAGS))
     tokenizer.chat_template = TINY_TOOL_TEMPLATE
-    tokenizer.response_template = TINY_RESPONSE_TEMPLATE
     return tokenizer
 
 
