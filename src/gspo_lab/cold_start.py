@@ -35,8 +35,8 @@ from gspo_lab.prompts import PromptFormat
 from gspo_lab.sft import SFTConfig, SFTModule
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 3  # bump when the SFT procedure changes what it produces (2: demonstrations from their own seed
-# stream; 3: the tiny tool template writes pythonic calls)
+CACHE_VERSION = 4  # bump when the SFT procedure changes what it produces (2: demonstrations from their own seed
+# stream; 3: the tiny tool template writes pythonic calls; 4: guess_number answers with the range)
 INFO_FILE = "sft_info.json"
 
 

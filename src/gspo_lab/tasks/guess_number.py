@@ -2,22 +2,24 @@
 
 Each game has an id in its prompt (`game 4821, 1-16:`), and the hidden number is drawn from it; held-out games
 are other ids, so what a policy learns there is the search, not the numbers. `GuessNumber` is the environment:
-`reset` reads the game's hidden number from the row's `answer`, `guess` answers "higher", "lower" or "correct",
-and `get_reward` rewards success, and fewer guesses: 1 - 0.1 (guesses - 1), 0 when not found within
-`max_guesses`. Train on it with reward=environment; the task's checker (held-out accuracy) is whether the last
-turn names the number. `demonstration` is a noisy search: each guess drawn at random from the numbers still
-possible (seeded by the game), so the cold start finds the number, in more guesses than bisection needs: what
-RL can gain is the search.
+`reset` reads the game's hidden number from the row's `answer`, `guess` answers "correct", or "higher" or "lower"
+with the numbers still possible ("higher 9-16"), and `get_reward` rewards success, and fewer guesses:
+1 - 0.1 (guesses - 1), 0 when not found within `MAX_GUESSES`. The range in the answer is what a 1.8M-parameter
+model can use: without it (the first design), it had to recover the range from every earlier guess and answer,
+and its cold start guessed outside it (experiments/multi_turn). Train on it with reward=environment; the task's
+checker (held-out accuracy) is whether the last turn names the number. `demonstration` is a noisy search: each
+guess drawn at random from the range (seeded by the game), so the cold start finds the number, in more guesses
+than bisection needs: what RL can gain is the search.
 
 >>> env = GuessNumber(); env.reset(answer="11")
 >>> env.guess(8), env.guess(12), env.guess(11), env.get_reward()
-('higher', 'lower', 'correct', 0.8)
+('higher 9-16', 'lower 9-11', 'correct', 0.8)
 >>> binary_search(11, 1, 16)
 [8, 12, 10, 11]
->>> guesses = [m["tool_calls"][0]["function"]["arguments"]["number"]
-...            for m in GuessNumberTask(high=16).demonstration(Example("game 7, 1-16:", "11"))[:-1:2]]
->>> guesses[-1], all(1 <= g <= 16 for g in guesses)
-(11, True)
+>>> demo = GuessNumberTask(high=16).demonstration(Example("game 7, 1-16:", "11", {"high": 16}))
+>>> guesses = [m["tool_calls"][0]["function"]["arguments"]["number"] for m in demo[:-1:2]]
+>>> guesses[-1], all(1 <= g <= 16 for g in guesses), demo[-2]["content"]
+(11, True, 'correct')
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ MAX_GUESSES = 6
 
 
 class GuessNumber:
-    """One game: the hidden number is the row's `answer`."""
+    """One game: the hidden number is the row's `answer`, in 1..`high` (the row's column; 16 by default)."""
 
-    def reset(self, answer: str, **columns) -> None:
+    def reset(self, answer: str, high: int = 16, **columns) -> None:
         self.hidden, self.guesses, self.found = int(answer), 0, False
+        self.low, self.high = 1, int(high)
 
     def guess(self, number: int) -> str:
         """Guess the hidden number.
@@ -51,7 +54,11 @@ class GuessNumber:
         if number == self.hidden:
             self.found = True
             return "correct"
-        return "higher" if self.hidden > number else "lower"
+        if self.hidden > number:
+            self.low = max(self.low, number + 1)
+            return f"higher {self.low}-{self.high}"
+        self.high = min(self.high, number - 1)
+        return f"lower {self.low}-{self.high}"
 
     def get_reward(self) -> float:
         return round(1.0 - 0.1 * (self.guesses - 1), 6) if self.found else 0.0
@@ -88,15 +95,17 @@ class GuessNumberTask(Task):
     def sample(self, rng: random.Random) -> Example:
         game = rng.randint(0, 99_999)
         hidden = random.Random(f"guess_number/{game}").randint(1, self.high)
-        return Example(prompt=f"game {game}, 1-{self.high}:", answer=str(hidden))
+        return Example(prompt=f"game {game}, 1-{self.high}:", answer=str(hidden), meta={"high": self.high})
 
     def demonstration(self, example: Example) -> list[dict]:
         messages = []
         hidden = int(example.answer)
         rng = random.Random(example.prompt)
         searches = (binary_search(hidden, 1, self.high, rng) for _ in range(100))  # one that finds it in time
+        env = GuessNumber()
+        env.reset(example.answer, self.high)
         for guess in next((s for s in searches if len(s) <= MAX_GUESSES), binary_search(hidden, 1, self.high)):
-            reply = "correct" if guess == hidden else "higher" if hidden > guess else "lower"
+            reply = env.guess(guess)
             messages += [{"role": "assistant", "content": "", "tool_calls": [
                              {"type": "function", "function": {"name": "guess", "arguments": {"number": guess}}}]},
                          {"role": "tool", "name": "guess", "content": reply}]
