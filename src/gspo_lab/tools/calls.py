@@ -66,13 +66,28 @@ def call_of(payload: Any) -> ToolCall:
     return ToolCall(payload["name"], arguments)
 
 
+def _literal(source: str, node: ast.expr) -> Any:
+    """A keyword argument's value: JSON as the template writes it (`tojson`: true, null, "a\\u00e9"), else a
+    Python literal (True, 'a')."""
+    segment = ast.get_source_segment(source, node) or ""
+    try:
+        return json.loads(segment)
+    except json.JSONDecodeError:
+        return ast.literal_eval(node)
+
+
 def pythonic_calls(written: str) -> list[ToolCall]:
     """The calls in one pythonic region, `[f(x=1), g(y="a")]`; a region that is not such a list is one failed
-    call, a call in it that is not well formed one failed call."""
+    call, a call in it that is not well formed one failed call.
+
+    >>> [c.arguments for c in pythonic_calls('[f(a=true, b=null, c=[1, "x"]), f(d=False)]')]
+    [{'a': True, 'b': None, 'c': [1, 'x']}, {'d': False}]
+    """
+    source = written.strip()
     try:
-        tree = ast.parse(written.strip(), mode="eval").body
-    except (SyntaxError, ValueError, RecursionError) as error:
-        return [ToolCall("", error=f"the call did not parse: {error!r}")]
+        tree = ast.parse(source, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as error:
+        return [ToolCall("", error=f"the call did not parse: {type(error).__name__}: {error}")]
     if not isinstance(tree, ast.List):
         return [ToolCall("", error="the call did not parse: write a list of calls, such as [f(x=1)]")]
     calls = []
@@ -84,8 +99,8 @@ def pythonic_calls(written: str) -> list[ToolCall]:
                                             "only, such as f(x=1)"))
         else:
             try:
-                calls.append(ToolCall(node.func.id, {k.arg: ast.literal_eval(k.value) for k in node.keywords}))
-            except ValueError as error:
+                calls.append(ToolCall(node.func.id, {k.arg: _literal(source, k.value) for k in node.keywords}))
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError) as error:
                 calls.append(ToolCall("", error=f"the call did not parse: {node.func.id}: {error}"))
     return calls
 
