@@ -88,7 +88,7 @@ def test_failures_return_an_error_to_the_model_and_are_counted(tok, runner):
     def script(text):
         if "<tool_response>" not in text:
             return calls(fn("explode", reason="r"), fn("nope"), fn("stall", seconds=30), fn("multiply", a=2, b=3))
-        # a reply that does not parse is one failed call: the parser reads a reply whole
+        # a region that does not parse is one failed call
         return "<tool_call>[bad(</tool_call>" if text.count("</tool_response>") == 4 else "done"
 
     out, _ = run(loop(runner), tok, script, [Example("q", "x")], budget=1000)
