@@ -178,6 +178,20 @@ def test_a_set_from_an_option_with_its_own_reward_functions(compose):
     evaluation.close()
 
 
+def test_a_set_with_one_reward_function_reports_it(evaluated, compose):
+    """A set that names one reward function (an environment's reward, say) scores and reports it beside the
+    checker's accuracy: the mean of the function's values over the greedy completions."""
+    run, _ = evaluated
+    model, tokenizer = load_pretrained(run / "final")
+    set_cfg = compose(EVAL + ["+eval.sets.one.reward=task", "+eval.sets.one.size=4", "eval.n=0"])
+    evaluator = build_eval(set_cfg, instantiate(set_cfg.task), instantiate(set_cfg.prompt)).evaluator(
+        tokenizer, set_cfg.rollout.max_new_tokens, [], set_cfg.seed)
+    metrics, rows = evaluator.run(model, tokenizer)
+    name = next(k for k in metrics if k.startswith("eval/one/reward/")).split("/")[3]
+    rewards = [r["rewards"][name] for r in rows if r["set"] == "one"]
+    assert metrics[f"eval/one/reward/{name}/greedy"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-12)
+
+
 def test_a_tokenizer_the_model_cannot_embed_is_refused_naming_both(evaluated, tmp_path):
     run, _ = evaluated
     model, _ = load_pretrained(run / "final")

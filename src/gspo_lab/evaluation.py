@@ -12,7 +12,7 @@ so no completion can stop an evaluation or run in its process.
 Metric names mirror verl's validation (mean@n, maj@k) and lighteval's / lm-eval's pass@k, under eval/<set>/:
 greedy, mean@<n>, pass@<k>, maj@<k>, length (mean completion tokens of the samples, else of greedy),
 grading_failures (how many checks timed out or raised, each counted wrong), and reward/<function>/{greedy,mean@<n>}
-where a set has several reward functions; the time each set took is
+where a set names reward functions; the time each set took is
 time/eval/<set>_s, the whole evaluation's time/eval_s. Sample j of prompt i of a set draws from its own stream,
 seeded by (the run's seed, the set's name, j, i: `stream_seed`), so every evaluation of a run samples each prompt
 with the same seeds whatever eval.batch_size and the number of ranks, eval.n = 8 extends eval.n = 4's samples, and
@@ -310,7 +310,7 @@ class Evaluator:
         sums: dict[str, float] = {"prompts#": float(prompts), "grading_failures": 0.0}
         for decoded in (greedy, sampled):
             sums["grading_failures"] += float(sum(decoded.failures)) if decoded is not None else 0.0
-        several = eval_set.rewards is not None and len(eval_set.rewards.functions) > 1
+        rewarded = eval_set.rewards is not None
         if greedy is not None:
             sums["greedy"] = float(sum(greedy.correct))
             sums["length"] = float(sum(greedy.lengths))
@@ -328,7 +328,7 @@ class Evaluator:
                     sums[f"maj@{k}"] += maj_at_k(answers, {a for a, c in zip(answers[:k], correct) if c}, k)
             sums["length"] = float(sum(sampled.lengths)) / n
         for decoded, suffix in ((greedy, "greedy"), (sampled, f"mean@{self.settings.n}")):
-            if decoded is None or not several:
+            if decoded is None or not rewarded:
                 continue
             for name in (f.name for f in eval_set.rewards.functions):  # every key on every rank, prompts or none
                 applied = [v for v in decoded.rewards.get(name, []) if not math.isnan(v)]
