@@ -84,18 +84,12 @@ def accuracy(
                                 share_prompts=False, logprobs=False)
             completions = agent.generate(RolloutEngine(model, RolloutConfig()), tokenizer, rendered, chunk, sampling,
                                          None).completions
-            correct += sum(grade(checker, chunk, completions.texts, False, grader).correct)
-            continue
-        completions = generate(
-            model,
-            tokenizer,
-            render.texts(chunk) if render is not None else [e.prompt for e in chunk],
-            max_new_tokens,
-            temperature=temperature or 1.0,
-            greedy=temperature is None,
-            stop_token_ids=stop_token_ids,
-            add_special_tokens=render is None or render.add_special_tokens,
-        )
+        else:
+            completions = generate(model, tokenizer,
+                                   render.texts(chunk) if render is not None else [e.prompt for e in chunk],
+                                   max_new_tokens, temperature=temperature or 1.0, greedy=temperature is None,
+                                   stop_token_ids=stop_token_ids,
+                                   add_special_tokens=render is None or render.add_special_tokens)
         correct += sum(grade(checker, chunk, completions.texts, False, grader).correct)
     return correct / len(examples)
 
