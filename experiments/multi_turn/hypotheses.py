@@ -1,7 +1,7 @@
 """The numbers the study README tests its hypotheses with, from a task's committed runs: per arm, the paired gain
 in held-out greedy success (last evaluation minus the cold start's, per seed), the step means of the clip and
 tool metrics, and H4's per-run contrast (the mean |log w| of the model's first token after a tool result minus
-that of all its tokens); each a mean over seeds with a 95% percentile-bootstrap interval (9,999 resamples, seed 0).
+that of all its tokens); each a mean over seeds with the 95% percentile-bootstrap interval gspo-report draws.
 
     python experiments/multi_turn/hypotheses.py experiments/multi_turn/calculator/runs
 """
@@ -15,18 +15,19 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from scipy.stats import bootstrap
+
+from gspo_lab.report.stats import mean_interval
 
 STEP_MEANS = ("reward/mean", "clip/frac", "clip/seq_frac", "tools/call_frequency", "tools/failure_frequency",
               "turns/mean", "tokens/tool_fraction", "completion/len_mean")
 
 
 def interval(values: list[float]) -> str:
-    x = np.array([v for v in values if not math.isnan(v)])
-    if len(x) < 2:
+    """The mean over seeds with gspo-report's bootstrap interval (gspo_lab.report.stats)."""
+    found = mean_interval([v for v in values if not math.isnan(v)], seed=0)
+    if found.low is None:
         return "n/a"
-    ci = bootstrap((x,), np.mean, n_resamples=9999, method="percentile", random_state=0).confidence_interval
-    return f"{x.mean():+.4f} [{ci.low:+.4f}, {ci.high:+.4f}] (n={len(x)})"
+    return f"{found.value:+.4f} [{found.low:+.4f}, {found.high:+.4f}]"
 
 
 def column(rows: list[dict], key: str) -> list[float]:
