@@ -100,6 +100,10 @@ class VLLMConfig:
                      "must be true or false")
 
 
+# rollout.async_mode values: lagged (deterministic; gspo_lab.rollout.staleness)
+ASYNC_MODES = ("lagged",)
+
+
 @dataclass
 class RolloutConfig:
     """How completions are sampled each RL step.
@@ -141,6 +145,11 @@ class RolloutConfig:
         max_tool_response_tokens: a tool result is cut to this many tokens (None: whole).
         tool_workers: worker processes that run tools and environments (row r's in worker r mod tool_workers).
         tool_timeout_s: a tool call still running after this is a timeout: its worker is killed.
+        max_staleness: k, the most weight versions a trained row may lag the policy (versions count weight syncs,
+            one per RL step; gspo_lab.rollout.staleness). 0: the synchronous step, every row from the current
+            weights.
+        async_mode: how rows come to be stale when max_staleness > 0: "lagged" (deterministic, for studies: at
+            step t the engine holds version max(t - k, 0)).
     """
 
     prompts_per_step: int = 16
@@ -164,6 +173,8 @@ class RolloutConfig:
     max_tool_response_tokens: int | None = None
     tool_workers: int = 2
     tool_timeout_s: float = 10.0
+    max_staleness: int = 0
+    async_mode: str = "lagged"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.backend, str), "rollout.backend", self.backend,
@@ -176,6 +187,12 @@ class RolloutConfig:
                  self.tool_workers, "must be an integer >= 1")
         _require(isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0, "rollout.tool_timeout_s",
                  self.tool_timeout_s, "must be a number > 0")
+        _require(isinstance(self.max_staleness, int) and not isinstance(self.max_staleness, bool)
+                 and self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness, "must be an integer >= 0")
+        _require(self.async_mode in ASYNC_MODES, "rollout.async_mode", self.async_mode,
+                 f"must be one of {list(ASYNC_MODES)} (overlap, generation beside training, is not built yet)")
+        _require(not (self.max_staleness and self.backend == "replay"), "rollout.max_staleness", self.max_staleness,
+                 "recorded completions (rollout.backend=replay) have no weight version; use 0")
         if self.logprobs_from_generation is None:
             self.logprobs_from_generation = self.backend == "hf" and self.engine.is_trainer
         _require(isinstance(self.logprobs_from_generation, bool), "rollout.logprobs_from_generation",

@@ -39,6 +39,7 @@ from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards
 from gspo_lab.rollout import PromptSchedule, StepTicks
 from gspo_lab.rollout.backend import build_backend
 from gspo_lab.rollout.multi_turn import MultiTurn
+from gspo_lab.rollout.staleness import LaggedWeights
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
 from gspo_lab.sharding import is_sharded, shard
@@ -106,6 +107,8 @@ class RLModule(L.LightningModule):
         self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
         self.routing = RoutingReplay(model, routing.replay, diagnostics_rows=routing.diagnostics_rows)
         self.engine = build_backend(model, rollout)  # hf: the trainer's model itself unless configured
+        # rollout.max_staleness > 0: the engine generates from weights that lag the trainer's (async_mode=lagged)
+        self.lag = LaggedWeights(model, rollout.max_staleness) if rollout.max_staleness > 0 else None
         self.render = (prompt or PromptFormat()).bind(tokenizer)
         # tools and environments of a multi-turn task run in these workers (started on first use)
         self.tool_runner = ToolRunner(rollout.tool_workers, rollout.tool_timeout_s)
@@ -123,7 +126,7 @@ class RLModule(L.LightningModule):
         self.collector = RolloutCollector(self.engine, self.policy, self.probe, self.routing,
                                           PromptSchedule(task, rollout.prompts_per_step, seed), self.render, tokenizer,
                                           self.rewards, advantage, rollout, train.shuffle_rewards, kl_penalty,
-                                          agent_of(task))
+                                          agent_of(task), self.lag)
         self.updater = Updater(model, objective, self.policy, self.routing, self.probe, train,
                                backward=self.manual_backward, save_last=self.save_last_checkpoint)
 
@@ -169,6 +172,8 @@ class RLModule(L.LightningModule):
         checkpoint["rl_step"] = self.rl_step
         checkpoint["history"] = self.history
         checkpoint.update(self.updater.state_dict())  # consecutive_skips, entropy_control
+        if self.lag is not None:  # the weight versions a resumed run still generates from
+            checkpoint["lagged_weights"] = self.lag.state_dict()
         checkpoint["rewards"] = self.reward_counts_of_all_ranks()  # running counts of reward errors and timeouts
         if self.lora is not None:  # the adapters only: the base weights come from the model source on resume
             self.lora.save_checkpoint(checkpoint, prefix="model.")
@@ -180,6 +185,8 @@ class RLModule(L.LightningModule):
         self.rl_step = checkpoint["rl_step"]
         self.history = [row for row in checkpoint["history"] if row["step"] < self.rl_step]
         self.updater.load_state_dict(checkpoint)
+        if self.lag is not None:
+            self.lag.load_state_dict(checkpoint.get("lagged_weights", {}))
         counts = checkpoint if self.global_rank == 0 else {}  # all ranks' together: rank 0 carries them on
         if "rewards" in counts:
             self.rewards.load_state_dict(counts["rewards"])

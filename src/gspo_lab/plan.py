@@ -86,7 +86,7 @@ def plan(cfg: DictConfig) -> Plan:
         backend.check(RunSettings(parts["rollout"], parts["train"], parts["routing"], parts["evaluation"].settings,
                                   model_source, "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
                                   isinstance(trainer.strategy, ModelParallelStrategy), trainer.num_nodes))
-        check_strategy(model_source, trainer)
+        check_strategy(model_source, trainer, parts["rollout"])
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error
     except (ValueError, FileNotFoundError) as error:
@@ -134,14 +134,31 @@ def check_precision(trainer: L.Trainer) -> None:
 
 
 def check_rollout_correction(objective, rollout) -> None:
-    """A rollout correction reweights π_old (a trainer forward) toward the engine that sampled; with π_old
-    taken from the engine itself there is nothing to correct."""
+    """A rollout correction or the decoupled loss reweights a recomputed π_old toward the policy that sampled,
+    which needs π_old recomputed; and a stale rollout (rollout.max_staleness > 0) trained against a recomputed π_old
+    needs one of them, or the clip is anchored to a policy that never generated the trajectory (radixark/miles
+    PR #1829)."""
     correction = getattr(objective, "rollout_correction", "none")
+    decoupled = getattr(objective, "decoupled", False)
     if correction != "none" and rollout.logprobs_from_generation:
         raise ValueError(
             f"objective.rollout_correction={correction!r} is invalid with rollout.logprobs_from_generation=true: "
             "it corrects a trainer-computed π_old toward the engine's samples, and π_old is then the engine's own; "
             "set rollout.logprobs_from_generation=false"
+        )
+    if decoupled and rollout.logprobs_from_generation:
+        raise ValueError(
+            "objective.decoupled=true is invalid with rollout.logprobs_from_generation=true: the decoupled loss "
+            "anchors the clip to a recomputed π_old (π_prox) and weights it by π_prox / π_behave, and π_old is then "
+            "the engine's own (the bypass correction); set rollout.logprobs_from_generation=false"
+        )
+    if rollout.max_staleness > 0 and not rollout.logprobs_from_generation and not decoupled and correction == "none":
+        raise ValueError(
+            f"rollout.max_staleness={rollout.max_staleness} with a recomputed π_old "
+            "(rollout.logprobs_from_generation=false) and no correction anchors the clip to a policy that never "
+            "generated the rows. Choose one: rollout.logprobs_from_generation=true (bypass: the engine's log-probs "
+            "are π_old), objective.decoupled=true (decoupled PPO: π_prox / π_behave weights), or "
+            "rollout.max_staleness=0"
         )
 
 
@@ -180,12 +197,15 @@ def warn_inexact_old_logprobs(from_generation: bool, device: str, precision: str
     return True
 
 
-def check_strategy(model_source, trainer: L.Trainer) -> None:
-    """trainer=fsdp (sharded weights) takes no LoRA. Checked, as routing replay's MoE and the rollout backend's
+def check_strategy(model_source, trainer: L.Trainer, rollout) -> None:
+    """trainer=fsdp (sharded weights) takes no LoRA and no stale rollouts. Checked, as routing replay's MoE and the rollout backend's
     needs, on the architecture alone before the cold start or any weights."""
     if isinstance(trainer.strategy, ModelParallelStrategy) and model_source.lora.enabled:
         raise ValueError("model.lora.enabled=true is not supported with trainer=fsdp (untested); use "
                          "trainer=ddp or full training")
+    if isinstance(trainer.strategy, ModelParallelStrategy) and rollout.max_staleness > 0:
+        raise ValueError(f"rollout.max_staleness={rollout.max_staleness} is not supported with trainer=fsdp: the "
+                         "lagged weight versions are whole host copies of each parameter; use trainer=ddp")
 
 
 def resolve_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:

@@ -20,6 +20,20 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return total / count.clamp(min=1)
 
 
+def turn_mean(values: Tensor, turns: Tensor, mask: Tensor) -> Tensor:
+    """Each token's mean of `values` over the tokens of its turn ([B, T]; `turns` [B, T] long, t >= 1 on the
+    model's tokens of turn t, 0 elsewhere; `mask` [B, T] float); 0 off the model's tokens.
+
+    >>> turn_mean(torch.tensor([[1.0, 3.0, 9.0, 4.0]]), torch.tensor([[1, 1, 0, 2]]), torch.tensor([[1.0, 1, 0, 1]]))
+    tensor([[2., 2., 0., 4.]])
+    """
+    mask = mask.to(values.dtype)
+    slots = values.new_zeros(turns.shape[0], turns.shape[1] + 1)  # [B, T + 1]: a slot per turn number
+    sums = slots.scatter_add(1, turns, values * mask)  # Σ_{t in turn k} values  [B, T + 1]
+    counts = slots.scatter_add(1, turns, mask)  # |turn k|
+    return (sums / counts.clamp(min=1)).gather(1, turns) * mask  # [B, T]
+
+
 def k3(logp: Tensor, other_logp: Tensor) -> Tensor:
     """Per-token k3 estimator of KL(π_other || π) on samples from π_other: r - 1 - log r, r = π / π_other."""
     log_r = logp - other_logp

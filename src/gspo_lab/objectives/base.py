@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from gspo_lab.objectives.entropy import EntropyCoefficient, check_entropy_settings, top_entropy_mask
-from gspo_lab.objectives.rollout_correction import CORRECTIONS, correction_weights, diagnostics, off_policy_mask
+from gspo_lab.objectives.rollout_correction import (CORRECTIONS, behaviour_weights, correction_weights, diagnostics,
+                                                    off_policy_mask)
 from gspo_lab.tensors import after_tool_metrics, k3, masked_mean  # noqa: F401 - k3, masked_mean: re-exported
 
 
@@ -121,6 +122,12 @@ class Objective:
             is/ppl_ratio.
         rollout_correction_cap: C, the upper bound of those weights (> 1).
         rollout_correction_min: C_min, their lower bound (0 < C_min < 1); None: none (mis_geo: 1 / C).
+        decoupled: the decoupled PPO loss for a rollout an older policy generated (rollout.max_staleness > 0):
+            π_old is the recomputed π_prox, and each term is weighted by π_prox / π_behave (the engine's log-probs,
+            `rollout_logp`) at the ratio's level, dropped over behave_weight_cap (gspo_lab.objectives.
+            rollout_correction.behaviour_weights; AReaL's use_decoupled_loss). Not with a rollout_correction, which
+            weights the same ratio.
+        behave_weight_cap: C of the decoupled loss (> 1; AReaL's behav_imp_weight_cap).
         off_policy_mask_threshold: δ of DeepSeek-V3.2's off-policy sequence mask (> 0); None: off.
         kl_bias_correction: multiply each token's k3 KL term by π_θ / π_old (DeepSeek-V3.2 eq. 8, TRL
             `use_bias_correction_kl`), so the penalty is an unbiased estimate of KL(π_θ || π_ref) on samples
@@ -147,6 +154,8 @@ class Objective:
         rollout_correction: str = "none",
         rollout_correction_cap: float = 2.0,
         rollout_correction_min: float | None = None,
+        decoupled: bool = False,
+        behave_weight_cap: float = 5.0,
         off_policy_mask_threshold: float | None = None,
         kl_bias_correction: bool = False,
         entropy_coef: float = 0.0,
@@ -167,6 +176,13 @@ class Objective:
         if rollout_correction_min is not None and not 0 < rollout_correction_min < 1:
             raise ValueError(f"{self.label}: objective.rollout_correction_min={rollout_correction_min!r} must be in "
                              "(0, 1) or null")
+        if not isinstance(decoupled, bool):
+            raise ValueError(f"{self.label}: objective.decoupled={decoupled!r} must be true or false")
+        if decoupled and rollout_correction != "none":
+            raise ValueError(f"{self.label}: objective.decoupled=true and objective.rollout_correction="
+                             f"{rollout_correction!r} both weight π_old / π_engine; choose one")
+        if not behave_weight_cap > 1:
+            raise ValueError(f"{self.label}: objective.behave_weight_cap={behave_weight_cap!r} must be > 1")
         if off_policy_mask_threshold is not None:
             check_positive(f"{self.label}: objective", off_policy_mask_threshold=off_policy_mask_threshold)
         check_entropy_settings(f"{self.label}: objective", entropy_coef, entropy_target, entropy_coef_delta,
@@ -175,6 +191,7 @@ class Objective:
         self.beta = float(beta)
         self.rollout_correction, self.rollout_correction_cap = rollout_correction, float(rollout_correction_cap)
         self.rollout_correction_min = None if rollout_correction_min is None else float(rollout_correction_min)
+        self.decoupled, self.behave_weight_cap = decoupled, float(behave_weight_cap)
         self.off_policy_mask_threshold = None if off_policy_mask_threshold is None else float(off_policy_mask_threshold)
         self.kl_bias_correction = bool(kl_bias_correction)
         self.entropy_coef, self.entropy_target = float(entropy_coef), entropy_target
@@ -265,8 +282,8 @@ class Objective:
 
     def _corrected(self, per_token: Tensor, batch: MaskedBatch, rollout_logp: Tensor | None,
                    high_entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
-        """The policy terms [B, T] times the rollout correction's weights, the off-policy mask and the top-entropy
-        mask `high_entropy` (each off unless set), and their metrics. All leave the normaliser as it is (TRL)."""
+        """The policy terms [B, T] times the rollout correction's weights, the decoupled loss's behaviour weights,
+        the off-policy mask and the top-entropy mask `high_entropy` (each off unless set), and their metrics. All leave the normaliser as it is (TRL)."""
         metrics: dict[str, Tensor] = {}
         valid = batch.mask.bool()
         engine = None if rollout_logp is None else torch.where(valid, rollout_logp.to(batch.logp.dtype), 0.0)
@@ -279,6 +296,15 @@ class Objective:
             per_token = per_token * weights  # each term × sg[w]: the engine sampled, π_old is the trainer's
             metrics.update(is_metrics)
             metrics.update(diagnostics(batch.old_logp, engine, batch.mask, weights))
+        if self.decoupled:
+            if engine is None:
+                raise ValueError(f"{self.label}: objective.decoupled=true needs rollout_logp (the behaviour policy's "
+                                 "log-probs, the engine's)")
+            level = getattr(self.ratio, "level", "token")
+            weights, behave_metrics = behaviour_weights(batch.old_logp, engine, batch.mask, level,
+                                                        self.behave_weight_cap, batch.turns)
+            per_token = per_token * weights  # each term × sg[π_prox / π_behave]: the clip is anchored to π_prox
+            metrics.update(behave_metrics)
         if self.off_policy_mask_threshold is not None:
             behaviour = batch.old_logp if engine is None else engine  # the paper's π_old is the engine's (TRL)
             keep, mask_metrics = off_policy_mask(batch.logp, behaviour, batch.advantages, batch.mask,

@@ -8,17 +8,20 @@
     TurnRatio           s_i,k = (π_θ(y_i,k) / π_old(y_i,k))^(1/|y_i,k|) on the tokens of turn k   GSPO per turn
 
 Each is a frozen dataclass called as `ratio(batch) -> Ratio` (gspo_lab.objectives.base); its settings are
-checked on construction, with the key under `objective.ratio`.
+checked on construction, with the key under `objective.ratio`. Its `level` (token, sequence or turn) says what one
+ratio covers; the decoupled correction's behaviour weight covers the same (objective.decoupled).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from gspo_lab.objectives.base import MaskedBatch, Ratio, check_positive, clip_fractions
+from gspo_lab.tensors import turn_mean
 
 
 def check_log_ratio_clamp(where: str, log_ratio_clamp: float | None) -> None:
@@ -61,6 +64,7 @@ class TokenRatio:
         log_ratio_clamp: clamp log w to [-c, c] before exp(); None (default) keeps it exact.
     """
 
+    level: ClassVar[str] = "token"
     log_ratio_clamp: float | None = None
 
     def __post_init__(self) -> None:
@@ -83,6 +87,7 @@ class SequenceRatio:
         log_ratio_clamp: clamp log s_i to [-c, c] before exp(); None (default) keeps it exact.
     """
 
+    level: ClassVar[str] = "sequence"
     length_norm: bool = True
     log_ratio_clamp: float | None = None
 
@@ -108,6 +113,7 @@ class SequenceTokenRatio:
     |y_i| (s_i,t = sg[s_i] (π / sg[π])^|y_i|), so value and gradient still equal un-normalised GSPO's.
     """
 
+    level: ClassVar[str] = "sequence"
     length_norm: bool = True
     log_ratio_clamp: float | None = None
 
@@ -141,6 +147,7 @@ class GeometricMeanRatio:
         clip_low, clip_high: log-space bounds (> 0); the paper's range (section 4) is (e^-0.4, e^0.4).
     """
 
+    level: ClassVar[str] = "sequence"
     clip_low: float = 0.4
     clip_high: float = 0.4
 
@@ -171,6 +178,7 @@ class TurnRatio:
         log_ratio_clamp: clamp log s_i,k to [-c, c] before exp(); None (default) keeps it exact.
     """
 
+    level: ClassVar[str] = "turn"
     log_ratio_clamp: float | None = None
 
     def __post_init__(self) -> None:
@@ -178,10 +186,6 @@ class TurnRatio:
 
     def __call__(self, batch: MaskedBatch) -> Ratio:
         turns = batch.turns if batch.turns is not None else batch.mask.long()  # [B, T], 0 off the model's tokens
-        log_w = (batch.logp - batch.old_logp) * batch.mask  # [B, T]
-        slots = batch.mask.new_zeros(turns.shape[0], turns.shape[1] + 1)  # [B, T + 1]: a slot per turn number
-        sums = slots.scatter_add(1, turns, log_w)  # Σ_{t in turn k} log w_i,t  [B, T + 1]
-        counts = slots.scatter_add(1, turns, batch.mask)  # |y_i,k|
-        log_s = (sums / counts.clamp(min=1)).gather(1, turns)  # each token's log s_i,k  [B, T]
+        log_s = turn_mean(batch.logp - batch.old_logp, turns, batch.mask)  # each token's log s_i,k  [B, T]
         log_s, fired = clamp_log_ratio(log_s, self.log_ratio_clamp)
         return Ratio(torch.exp(log_s), fired & batch.mask.bool())

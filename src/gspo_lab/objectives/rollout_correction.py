@@ -28,6 +28,20 @@ this project's conventions:
 `off_policy_mask_threshold`): a sequence with a negative advantage whose mean log(π_engine / π_θ) exceeds δ is
 dropped from the policy loss. The paper's π_old is the inference engine's, as TRL's `sampling_per_token_logps`.
 
+`behaviour_weights` is the decoupled PPO loss's weight (objective.decoupled; Hilton et al., "Batch size-invariance
+for policy optimization", arXiv 2110.00641; AReaL's `ppo_actor_loss_fn`, arXiv 2505.24298 eq. 5), for a rollout
+that an older policy π_behave generated (rollout.max_staleness > 0, or an engine that differs): π_old is recomputed
+as π_prox, the policy the clip is anchored to, and each policy-loss term is weighted by ρ = π_prox / π_behave,
+dropped (weight 0) where ρ > C (objective.behave_weight_cap), as AReaL filters. ρ is taken at the level of the
+objective's ratio (`level` of gspo_lab.objectives.ratios):
+    token     ρ_t = π_prox(y_t) / π_behave(y_t)                                   AReaL's default, GRPO
+    sequence  ρ_i = exp(mean_t log ρ_t) on every token of sequence i            GSPO, GSPO-token, GMPO
+    turn      ρ_i,k = exp(mean_{t in turn k} log ρ_t) on the tokens of turn k     gspo_turn
+The sequence form is length-normalised as GSPO's ratio s_i is, so that a sequence's behaviour weight and its clipped
+ratio are on one scale: the product Π_t ρ_t of a 1,000-token sequence is 0 or inf in float32 at a mean |log ρ_t| of
+0.09, where the geometric mean is 1.09. AReaL weights per token at every importance_sampling_level; this is the
+sequence-level analogue that the GSPO paper's length normalisation calls for.
+
 `diagnostics` are verl's (`rollout_corr_helper.py`, `compute_is_metrics` and `compute_offpolicy_metrics`):
     is/ess         (mean w)² / mean(w²) over tokens, w the weights the correction applies
     is/chi2_token  mean_t ρ_t² - 1                       (log ρ_t clamped to ±20, as verl)
@@ -43,7 +57,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gspo_lab.tensors import masked_mean
+from gspo_lab.tensors import masked_mean, turn_mean
 
 CORRECTIONS = ("none", "tis_token", "tis_seq", "mis_token", "mis_seq", "mis_geo")
 SEQUENCE_CORRECTIONS = ("tis_seq", "mis_seq", "mis_geo")  # one weight per sequence: fractions count sequences
@@ -77,6 +91,43 @@ def correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mod
     name = "is/capped_frac" if mode.startswith("tis") else "is/masked_frac"
     weight_mean = weights.sum() / valid.sum().clamp(min=1)
     return weights, {"is/weight_mean": weight_mean, name: fraction}
+
+
+def behaviour_weights(prox_logp: Tensor, behave_logp: Tensor, mask: Tensor, level: str, cap: float,
+                      turns: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The decoupled loss's detached weights [B, T] (see the module docstring) and its metrics: behave/weight_mean
+    (the mean weight over the valid tokens), behave/masked_frac (the share of weights over the cap, of tokens,
+    sequences or turns by `level`, each counted once) and behave/approx_kl (the token mean of log π_prox - log
+    π_behave, AReaL's behave_approx_kl). prox_logp, behave_logp, mask: [B, T], padding zeroed in both log-probs;
+    level: token, sequence or turn; turns: [B, T] (gspo_lab.rollout.multi_turn), None: one turn per row.
+
+    >>> prox = torch.tensor([[-1.0, -1.0, 0.0]]); behave = torch.tensor([[-1.5, -0.5, 0.0]])
+    >>> mask = torch.tensor([[1.0, 1.0, 0.0]])  # log ρ_t = 0.5, -0.5: e^0.5 = 1.65 is over a cap of 1.5
+    >>> behaviour_weights(prox, behave, mask, "token", 1.5)[0]
+    tensor([[0.0000, 0.6065, 0.0000]])
+    >>> behaviour_weights(prox, behave, mask, "sequence", 1.5)[0]  # exp(mean_t log ρ_t) = exp(0) = 1
+    tensor([[1., 1., 0.]])
+    """
+    if level not in ("token", "sequence", "turn"):
+        raise ValueError(f"behaviour_weights: level={level!r} must be token, sequence or turn")
+    valid = mask.bool()
+    turns = mask.long() if turns is None else turns  # [B, T] one turn per row unless given
+    log_rho = (prox_logp - behave_logp).detach()  # [B, T] log ρ_t, 0 on padding
+    if level == "sequence":
+        log_rho = masked_mean(log_rho, mask, dim=-1)[:, None].expand_as(log_rho)  # log ρ_i on every token
+    elif level == "turn":
+        log_rho = turn_mean(log_rho, turns, mask)  # log ρ_i,k on every token of turn k
+    rho = log_rho.exp()  # [B, T]
+    over = (rho > cap) & valid  # [B, T]
+    weights = torch.where(over | ~valid, 0.0, rho)  # [B, T]
+    # each weight counted once: a token's, a sequence's or a turn's at its first token
+    spans = turns if level == "turn" else mask.long()  # [B, T] what one weight covers (token: each valid token)
+    first = valid & (torch.nn.functional.pad(spans, (1, 0))[:, :-1] != spans)  # [B, T] the first token of each
+    counted = valid if level == "token" else first
+    dtype = weights.dtype
+    masked = (over & counted).sum().to(dtype) / counted.sum().clamp(min=1).to(dtype)
+    return weights, {"behave/weight_mean": masked_mean(weights, mask), "behave/masked_frac": masked,
+                     "behave/approx_kl": masked_mean((prox_logp - behave_logp).detach(), mask)}
 
 
 def diagnostics(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, weights: Tensor) -> dict[str, Tensor]:

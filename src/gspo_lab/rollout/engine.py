@@ -7,8 +7,9 @@ paper section 5.4, R3 arXiv 2510.11370).
     rollout.engine.router_noise  σ >= 0               Gaussian noise on router logits in generation, σ × their std
     rollout.engine.weight_bits   null | 8             generation with weights fake-quantised per output channel
 
-The defaults make the engine the trainer itself (no copy, no hook: exact, as before). Otherwise the engine
-holds its own copy of the policy, refreshed from the trainer's weights before every rollout (so after every
+The defaults make the engine the trainer itself (no copy, no hook: exact, as before). Otherwise, and whenever
+rollout.max_staleness > 0 (the engine then holds older weights than the trainer), the engine holds its own copy
+of the policy, refreshed from the trainer's weights before every rollout (so after every
 RL step's updates; `time/engine_sync_s`), and router noise is a hook on the generating model's routers that
 recomputes the top-k and its gate weights from the noisy logits, the way the router itself would.
 """
@@ -76,7 +77,7 @@ class RolloutEngine:
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.trainer_model, self.config = model, rollout.engine
         self.copy, self.quantised = None, {}  # quantised: parameter name -> input dimension (quantised_weights)
-        if self.config.copies_weights:
+        if self.config.copies_weights or rollout.max_staleness > 0:
             self.copy = copy.deepcopy(model).requires_grad_(False).eval()
             for parameter in self.copy.parameters():  # weights only: buffers (rotary frequencies) stay as they are
                 parameter.data = parameter.data.to(PRECISIONS[self.config.precision])

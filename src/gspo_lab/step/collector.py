@@ -1,6 +1,8 @@
 """The rollout half of an RL step, `RolloutCollector.collect`: this rank's prompts, `group_size` completions each from
 the rollout backend, rewards (and DAPO's further rounds of prompts), advantages, the mismatch probe's own forward,
 the old-policy and reference log-probs: a `Rollout`, the batch the updates train on and the rollout's metrics.
+Under rollout.max_staleness = k > 0 the backend generates from lagged weights (gspo_lab.rollout.staleness), and
+every row records its weight version.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gspo_lab.rollout.completions import Completions, Generated, reward_inputs
 from gspo_lab.rollout.multi_turn import MultiTurn, generate_rows
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
 from gspo_lab.rollout.sampling import draw_row_seeds
+from gspo_lab.rollout.staleness import LaggedWeights
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.step.metrics import add_round
 from gspo_lab.step.policy import PolicyForwards
@@ -43,12 +46,14 @@ class RolloutCollector:
     def __init__(self, backend: RolloutBackend, policy: PolicyForwards, probe: MismatchProbe,
                  routing: RoutingReplay, prompts: PromptSchedule, render: PromptFormat, tokenizer,
                  rewards: WeightedRewards, advantage: AdvantageEstimator, rollout: RolloutConfig,
-                 shuffle_rewards: bool, kl_penalty: bool, agent: MultiTurn | None = None) -> None:
+                 shuffle_rewards: bool, kl_penalty: bool, agent: MultiTurn | None = None,
+                 lag: LaggedWeights | None = None) -> None:
         self.backend, self.policy, self.probe, self.routing = backend, policy, probe, routing
         self.prompts, self.render, self.tokenizer = prompts, render, tokenizer
         self.rewards, self.advantage, self.rollout_cfg = rewards, advantage, rollout
         self.shuffle_rewards, self.kl_penalty = shuffle_rewards, kl_penalty
         self.agent = agent  # the multi-turn loop of a task with tools (gspo_lab.rollout.multi_turn), or None
+        self.lag = lag  # the lagged weight versions under rollout.max_staleness > 0, or None
 
     def collect(self, step: int, ranks: Ranks) -> Rollout:
         """This rank's rollout batch for RL step `step`, and its metrics."""
@@ -63,6 +68,9 @@ class RolloutCollector:
             trained = sample_metrics(sampled.scored_rewards, sampled.completions, cfg.group_size)
             metrics.update({f"trained/{key}": value for key, value in trained.items()})
         batch = self.batch(sampled, ranks.device)
+        if self.lag is not None:
+            batch.versions = torch.full((len(batch.rewards),), self.lag.version_for(step), device=ranks.device)
+            metrics.update(staleness_metrics(batch.versions, step, cfg.max_staleness))
         metrics.update(self.probe.own_forward(batch, step))
         started = time.perf_counter()
         if batch.old_logp is None:
@@ -114,7 +122,7 @@ class RolloutCollector:
         cfg = self.rollout_cfg
         examples = self.prompts.for_step(step, ranks.rank, ranks.world, sampling_round)
         grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
-        generated, metrics = self.sample(grouped)
+        generated, metrics = self.sample(grouped, step)
         scores = self.score(step, grouped, generated)
         metrics.update({k: v for k, v in scores.metrics.items()
                         if sampling_round == 0 or k.endswith(("errors", "timeouts"))})
@@ -150,16 +158,19 @@ class RolloutCollector:
         metrics["rollout/frac_zero_std_sampled"] = frac_zero_std(sampled, cfg.group_size).item()
         return merged, metrics
 
-    def sample(self, examples: list[Example]) -> tuple[Generated, dict[str, float]]:
-        """Completions of `examples` from the rollout backend, its weights first refreshed from the trainer's
-        current ones, in `generate` calls of rollout.generation_batch_size rows (through the multi-turn loop for a
+    def sample(self, examples: list[Example], step: int) -> tuple[Generated, dict[str, float]]:
+        """Completions of `examples` for RL step `step` from the rollout backend, its weights first refreshed from
+        the trainer's current ones (or, under rollout.max_staleness > 0, from the lagged version), in `generate` calls of rollout.generation_batch_size rows (through the multi-turn loop for a
         task with tools), and the time each took; the engine's own log-probs of the sampled tokens are always
         kept, and its experts when routing records them. Each row samples from its own stream, its seed drawn here
         for all rows at once, so the samples do not depend on the batch size (unless the engine draws router
         noise, which it does per call)."""
         cfg = self.rollout_cfg
         started = time.perf_counter()
-        self.backend.sync()
+        if self.lag is None:
+            self.backend.sync()
+        else:
+            self.lag.sync(self.backend, step)
         synced = time.perf_counter()
         seeds = draw_row_seeds(len(examples))  # [N]
         sampling = Sampling.of_rollout(cfg, self.render.add_special_tokens)
@@ -189,6 +200,19 @@ def sample_metrics(rewards: torch.Tensor, completions: Completions, group_size: 
         "completion/len_mean": completions.policy_mask.sum(-1).float().mean().item(),  # the model's tokens
         "completion/truncated_frac": completions.truncated.float().mean().item(),
     }
+
+
+def staleness_metrics(versions: torch.Tensor, step: int, max_staleness: int) -> dict[str, float]:
+    """off_policy/staleness_mean and _max (how many versions each row's weights lag step `step`'s, versions [B]),
+    off_policy/dropped (rows too old, dropped: none in lagged mode) and time/wait_s (time spent waiting for rows:
+    none in lagged mode). A row older than `max_staleness` is a bug, never trained on: RuntimeError."""
+    staleness = step - versions  # [B]
+    oldest = int(staleness.max())
+    if oldest > max_staleness:
+        raise RuntimeError(f"RL step {step}: a row {oldest} weight versions old reached the trainer; "
+                           f"rollout.max_staleness={max_staleness}")
+    return {"off_policy/staleness_mean": staleness.float().mean().item(), "off_policy/staleness_max": float(oldest),
+            "off_policy/dropped": 0.0, "time/wait_s": 0.0}
 
 
 def tool_metrics(generated: Generated) -> dict[str, float]:
