@@ -174,6 +174,30 @@ def test_every_rl_step_samples_with_that_steps_weights(compose, rl_overrides):
     assert module.engine.llm is None  # the module's teardown closed it
 
 
+def test_a_lagged_run_samples_each_step_with_the_weights_k_steps_back(compose, rl_overrides, updated_batches):
+    """rollout.max_staleness=1 (async_mode=lagged) on vLLM: step 0's rollout comes from the starting weights, and so
+    does step 1's, though the trainer has taken a step: its engine log-probs are the starting weights' (to float32
+    rounding across implementations), not the trained weights', and they are π_old (bypass)."""
+    run, module, _ = build(compose(rl_overrides + VLLM + ["train.steps=2", "train.eval_every=0",
+                                                          "rollout.max_staleness=1",
+                                                          "rollout.logprobs_from_generation=true"]))
+    starting = {name: p.detach().clone() for name, p in module.model.named_parameters()}
+    run.trainer.fit(module)
+    assert [row["off_policy/staleness_max"] for row in module.history] == [0, 1]
+    batch = updated_batches[1]
+    current = {name: p.detach().clone() for name, p in module.model.named_parameters()}
+    logps = []
+    for weights in (starting, current):  # the starting weights' log-probs of step 1's tokens, then the trainer's
+        module.model.load_state_dict(weights, strict=False)
+        with torch.no_grad():
+            logps.append(token_logprobs(module.model, batch.input_ids, batch.attention_mask, batch.completion_len,
+                                        module.rollout_cfg.temperature)[0])
+    mask = batch.policy_mask.bool()
+    assert (batch.rollout_logp - logps[0])[mask].abs().max() <= ROUNDING
+    assert (batch.rollout_logp - logps[1])[mask].abs().max() > 100 * ROUNDING
+    assert torch.equal(batch.old_logp, batch.rollout_logp)
+
+
 @pytest.mark.slow
 def test_a_run_on_vllm_learns_the_default_task_as_one_on_transformers(cold_start_cache, tmp_path):
     """The default experiment for 150 RL steps on seeds 0-2 with each backend, in one multirun process (each job

@@ -160,11 +160,11 @@ class RolloutCollector:
 
     def sample(self, examples: list[Example], step: int) -> tuple[Generated, dict[str, float]]:
         """Completions of `examples` for RL step `step` from the rollout backend, its weights first refreshed from
-        the trainer's current ones (or, under rollout.max_staleness > 0, from the lagged version), in `generate` calls of rollout.generation_batch_size rows (through the multi-turn loop for a
-        task with tools), and the time each took; the engine's own log-probs of the sampled tokens are always
-        kept, and its experts when routing records them. Each row samples from its own stream, its seed drawn here
-        for all rows at once, so the samples do not depend on the batch size (unless the engine draws router
-        noise, which it does per call)."""
+        the trainer's current ones (under rollout.max_staleness > 0, the lagged version's), in `generate` calls
+        of rollout.generation_batch_size rows (through the multi-turn loop for a task with tools), and the time
+        each took; the engine's own log-probs of the sampled tokens are always kept, and its experts when routing
+        records them. Each row samples from its own stream, its seed drawn here for all rows at once, so the
+        samples do not depend on the batch size (unless the engine draws router noise, which it does per call)."""
         cfg = self.rollout_cfg
         started = time.perf_counter()
         if self.lag is None:
