@@ -283,7 +283,8 @@ class Objective:
     def _corrected(self, per_token: Tensor, batch: MaskedBatch, rollout_logp: Tensor | None,
                    high_entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
         """The policy terms [B, T] times the rollout correction's weights, the decoupled loss's behaviour weights,
-        the off-policy mask and the top-entropy mask `high_entropy` (each off unless set), and their metrics. All leave the normaliser as it is (TRL)."""
+        the off-policy mask and the top-entropy mask `high_entropy` (each off unless set), and their metrics. All
+        leave the normaliser as it is (TRL)."""
         metrics: dict[str, Tensor] = {}
         valid = batch.mask.bool()
         engine = None if rollout_logp is None else torch.where(valid, rollout_logp.to(batch.logp.dtype), 0.0)

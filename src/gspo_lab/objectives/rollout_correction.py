@@ -29,7 +29,7 @@ this project's conventions:
 dropped from the policy loss. The paper's π_old is the inference engine's, as TRL's `sampling_per_token_logps`.
 
 `behaviour_weights` is the decoupled PPO loss's weight (objective.decoupled; Hilton et al., "Batch size-invariance
-for policy optimization", arXiv 2110.00641; AReaL's `ppo_actor_loss_fn`, arXiv 2505.24298 eq. 5), for a rollout
+for policy optimization", arXiv 2110.00641; AReaL's `ppo_actor_loss_fn`, arXiv 2505.24298), for a rollout
 that an older policy π_behave generated (rollout.max_staleness > 0, or an engine that differs): π_old is recomputed
 as π_prox, the policy the clip is anchored to, and each policy-loss term is weighted by ρ = π_prox / π_behave,
 dropped (weight 0) where ρ > C (objective.behave_weight_cap), as AReaL filters. ρ is taken at the level of the
