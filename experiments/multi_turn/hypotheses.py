@@ -1,6 +1,6 @@
 """The numbers the study README tests its hypotheses with, from a task's committed runs: per arm, the paired gain
 in held-out greedy success (last evaluation minus the cold start's, per seed), the step means of the clip and
-tool metrics, and H4's per-run contrast (the mean |log w| of the model's first token after a tool result minus
+tool metrics (and guess_number's held-out environment reward gain), and H4's per-run contrast (the mean |log w| of the model's first token after a tool result minus
 that of all its tokens); each a mean over seeds with the 95% percentile-bootstrap interval gspo-report draws.
 
     python experiments/multi_turn/hypotheses.py experiments/multi_turn/calculator/runs
@@ -18,6 +18,7 @@ import yaml
 
 from gspo_lab.report.stats import mean_interval
 
+ENVIRONMENT_REWARD = "eval/heldout/reward/environment_reward/greedy"
 STEP_MEANS = ("reward/mean", "clip/frac", "clip/seq_frac", "tools/call_frequency", "tools/failure_frequency",
               "turns/mean", "tokens/tool_fraction", "completion/len_mean")
 
@@ -38,6 +39,9 @@ def run_numbers(run: Path) -> dict[str, float]:
     rows = list(csv.DictReader(open(run / "metrics.csv")))
     evals = column(rows, "eval/accuracy")
     out = {"gain": evals[-1] - evals[0], "first": evals[0], "last": evals[-1]}
+    # guess_number: the environment's reward on the same greedy games, which counts guesses
+    graded = column(rows, ENVIRONMENT_REWARD)
+    out["reward_gain"] = graded[-1] - graded[0] if graded else math.nan
     for key in STEP_MEANS:
         values = column(rows, key)
         out[key] = float(np.mean(values)) if values else math.nan
@@ -67,6 +71,8 @@ def main(root: str) -> None:
         last = ", ".join(f"{r['last']:.2f}" for r in runs)
         print(f"  held-out success: first {runs[0]['first']:.2f}, last per seed {last}; "
               f"paired gain {interval([r['gain'] for r in runs])}")
+        if not math.isnan(runs[0]["reward_gain"]):
+            print(f"  held-out environment reward: paired gain {interval([r['reward_gain'] for r in runs])}")
         for key in STEP_MEANS:
             print(f"  {key} (step mean): {interval([r[key] for r in runs])}")
         print(f"  H4 first-after-tool |log w| minus all: {interval([r['h4_after'] - r['h4_all'] for r in runs])}; "
@@ -75,7 +81,7 @@ def main(root: str) -> None:
     if "gspo" in arms:
         for arm in arms:
             if arm != "gspo" and set(arms[arm]) == set(arms["gspo"]):
-                for key in ("gain", "clip/frac", "clip/seq_frac"):
+                for key in ("gain", "reward_gain", "clip/frac", "clip/seq_frac"):
                     d = [arms[arm][s][key] - arms["gspo"][s][key] for s in sorted(arms[arm])]
                     print(f"{arm} minus gspo, {key}: {interval(d)}")
 
