@@ -65,6 +65,7 @@ def untimed(history: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(TIMING)} for row in history]
 
 
+@pytest.mark.numerics
 def test_lagged_rollouts_come_from_the_lagged_weights_and_repeat_exactly(compose, fast_rl, tmp_path, updated_batches):
     steps = ["train.steps=3", "train.eval_every=0"]
     lagged, starting = fit(compose, fast_rl, tmp_path / "lagged", "rollout.max_staleness=1", *steps)
@@ -101,6 +102,7 @@ def test_a_lagged_run_resumes_from_its_checkpoint_exactly(compose, fast_rl, tmp_
         assert torch.equal(a, b), name
 
 
+@pytest.mark.numerics
 def test_the_decoupled_loss_trains_on_stale_rows(compose, fast_rl, tmp_path, updated_batches):
     """π_old recomputed (π_prox, the current weights), π_behave the engine's: at step 0 they are one policy (to
     rounding), from step 1 the weight carries the one step of staleness."""
