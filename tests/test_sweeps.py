@@ -44,7 +44,7 @@ def finished_runs(sweep: Path) -> list[Path]:
 def test_every_experiment_is_tested():
     assert STUDIES == ["clip_lr", "clip_range", "entropy", "expert_volatility", "group_size", "length_norm", "length_norm_long",
                        "multi_turn_calculator", "multi_turn_guess_number", "objective_zoo", "objective_zoo_long",
-                       "off_policy", "paper_main", "precision", "real_engine", "routing_replay", "stability"]
+                       "off_policy", "paper_main", "precision", "real_engine", "routing_replay", "stability", "staleness"]
     assert SINGLE_RUNS == ["bench_anchor", "bench_gpu", "bench_paper", "bench_vocab"]
 
 
