@@ -79,7 +79,7 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
     expected = {"paper_main": 5, "clip_range": 6, "clip_lr": 12, "group_size": 4, "length_norm": 2, "length_norm_long": 2,
                 "objective_zoo": 16, "objective_zoo_long": 16, "routing_replay": 6, "expert_volatility": 8,
                 "off_policy": 4, "stability": 6, "precision": 4, "real_engine": 4, "entropy": 2,
-                "multi_turn_calculator": 5, "multi_turn_guess_number": 5}[study]
+                "multi_turn_calculator": 5, "multi_turn_guess_number": 5, "staleness": 20}[study]
     assert len(runs) == expected
     assert all((run / "metrics.csv").is_file() for run in runs)
 
