@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from gspo_lab.objectives.entropy import EntropyCoefficient, check_entropy_settings, top_entropy_mask
-from gspo_lab.objectives.rollout_correction import (CORRECTIONS, behaviour_weights, correction_weights, diagnostics,
-                                                    off_policy_mask)
+from gspo_lab.objectives.rollout_correction import (behaviour_weights, check_correction_settings, correction_weights,
+                                                    diagnostics, off_policy_mask)
 from gspo_lab.tensors import after_tool_metrics, k3, masked_mean  # noqa: F401 - k3, masked_mean: re-exported
 
 
@@ -122,11 +122,9 @@ class Objective:
             is/ppl_ratio.
         rollout_correction_cap: C, the upper bound of those weights (> 1).
         rollout_correction_min: C_min, their lower bound (0 < C_min < 1); None: none (mis_geo: 1 / C).
-        decoupled: the decoupled PPO loss for a rollout an older policy generated (rollout.max_staleness > 0):
-            π_old is the recomputed π_prox, and each term is weighted by π_prox / π_behave (the engine's log-probs,
-            `rollout_logp`) at the ratio's level, dropped over behave_weight_cap (gspo_lab.objectives.
-            rollout_correction.behaviour_weights; AReaL's use_decoupled_loss). Not with a rollout_correction, which
-            weights the same ratio.
+        decoupled: the decoupled PPO loss (AReaL's) for rows an older policy generated: π_old is π_prox, each term
+            × π_prox / π_behave (`rollout_logp`) at the ratio's level, 0 above behave_weight_cap
+            (gspo_lab.objectives.rollout_correction.behaviour_weights). Not with a rollout_correction.
         behave_weight_cap: C of the decoupled loss (> 1; AReaL's behav_imp_weight_cap).
         off_policy_mask_threshold: δ of DeepSeek-V3.2's off-policy sequence mask (> 0); None: off.
         kl_bias_correction: multiply each token's k3 KL term by π_θ / π_old (DeepSeek-V3.2 eq. 8, TRL
@@ -168,21 +166,8 @@ class Objective:
         self.name = name
         if not beta >= 0:
             raise ValueError(f"{self.label}: objective.beta={beta!r} must be >= 0")
-        if rollout_correction not in CORRECTIONS:
-            raise ValueError(f"{self.label}: objective.rollout_correction={rollout_correction!r} must be one of "
-                             f"{list(CORRECTIONS)}")
-        if not rollout_correction_cap > 1:
-            raise ValueError(f"{self.label}: objective.rollout_correction_cap={rollout_correction_cap!r} must be > 1")
-        if rollout_correction_min is not None and not 0 < rollout_correction_min < 1:
-            raise ValueError(f"{self.label}: objective.rollout_correction_min={rollout_correction_min!r} must be in "
-                             "(0, 1) or null")
-        if not isinstance(decoupled, bool):
-            raise ValueError(f"{self.label}: objective.decoupled={decoupled!r} must be true or false")
-        if decoupled and rollout_correction != "none":
-            raise ValueError(f"{self.label}: objective.decoupled=true and objective.rollout_correction="
-                             f"{rollout_correction!r} both weight π_old / π_engine; choose one")
-        if not behave_weight_cap > 1:
-            raise ValueError(f"{self.label}: objective.behave_weight_cap={behave_weight_cap!r} must be > 1")
+        check_correction_settings(f"{self.label}: objective", rollout_correction, rollout_correction_cap,
+                                  rollout_correction_min, decoupled, behave_weight_cap)
         if off_policy_mask_threshold is not None:
             check_positive(f"{self.label}: objective", off_policy_mask_threshold=off_policy_mask_threshold)
         check_entropy_settings(f"{self.label}: objective", entropy_coef, entropy_target, entropy_coef_delta,
@@ -288,19 +273,16 @@ class Objective:
         metrics: dict[str, Tensor] = {}
         valid = batch.mask.bool()
         engine = None if rollout_logp is None else torch.where(valid, rollout_logp.to(batch.logp.dtype), 0.0)
+        if engine is None and (self.rollout_correction != "none" or self.decoupled):
+            key = "decoupled=true" if self.decoupled else f"rollout_correction={self.rollout_correction!r}"
+            raise ValueError(f"{self.label}: objective.{key} needs rollout_logp (the engine's log-probs, π_behave)")
         if self.rollout_correction != "none":
-            if engine is None:
-                raise ValueError(f"{self.label}: objective.rollout_correction={self.rollout_correction!r} "
-                                 "needs rollout_logp (the engine's log-probs)")
             weights, is_metrics = correction_weights(batch.old_logp, engine, batch.mask, self.rollout_correction,
                                                      self.rollout_correction_cap, self.rollout_correction_min)
             per_token = per_token * weights  # each term × sg[w]: the engine sampled, π_old is the trainer's
             metrics.update(is_metrics)
             metrics.update(diagnostics(batch.old_logp, engine, batch.mask, weights))
         if self.decoupled:
-            if engine is None:
-                raise ValueError(f"{self.label}: objective.decoupled=true needs rollout_logp (the behaviour policy's "
-                                 "log-probs, the engine's)")
             level = getattr(self.ratio, "level", "token")
             weights, behave_metrics = behaviour_weights(batch.old_logp, engine, batch.mask, level,
                                                         self.behave_weight_cap, batch.turns)

@@ -64,6 +64,25 @@ SEQUENCE_CORRECTIONS = ("tis_seq", "mis_seq", "mis_geo")  # one weight per seque
 SAFETY_BOUND = 20.0  # verl's bound on the log-ratios its χ² exponentiates (exp(40) is still finite in float32)
 
 
+def check_correction_settings(where: str, rollout_correction: str, cap: float, floor: float | None, decoupled: bool,
+                              behave_weight_cap: float) -> None:
+    """The objective's correction keys (objective.rollout_correction, _cap, _min, decoupled, behave_weight_cap), else
+    a ValueError naming `where`.key, the value and the rule."""
+    if rollout_correction not in CORRECTIONS:
+        raise ValueError(f"{where}.rollout_correction={rollout_correction!r} must be one of {list(CORRECTIONS)}")
+    if not cap > 1:
+        raise ValueError(f"{where}.rollout_correction_cap={cap!r} must be > 1")
+    if floor is not None and not 0 < floor < 1:
+        raise ValueError(f"{where}.rollout_correction_min={floor!r} must be in (0, 1) or null")
+    if not isinstance(decoupled, bool):
+        raise ValueError(f"{where}.decoupled={decoupled!r} must be true or false")
+    if decoupled and rollout_correction != "none":
+        raise ValueError(f"{where}.decoupled=true and objective.rollout_correction="
+                         f"{rollout_correction!r} both weight π_old / π_engine; choose one")
+    if not behave_weight_cap > 1:
+        raise ValueError(f"{where}.behave_weight_cap={behave_weight_cap!r} must be > 1")
+
+
 def correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str, cap: float,
                        floor: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Detached weights [B, T] (0 on padding) and the is/* metrics, for one of CORRECTIONS other than none.

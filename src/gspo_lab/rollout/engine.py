@@ -9,9 +9,9 @@ paper section 5.4, R3 arXiv 2510.11370).
 
 The defaults make the engine the trainer itself (no copy, no hook: exact, as before). Otherwise, and whenever
 rollout.max_staleness > 0 (the engine then holds older weights than the trainer), the engine holds its own copy
-of the policy, refreshed from the trainer's weights before every rollout (so after every
-RL step's updates; `time/engine_sync_s`), and router noise is a hook on the generating model's routers that
-recomputes the top-k and its gate weights from the noisy logits, the way the router itself would.
+of the policy, refreshed from the trainer's weights before every rollout (so after every RL step's updates;
+`time/engine_sync_s`), and router noise is a hook on the generating model's routers that recomputes the top-k and
+its gate weights from the noisy logits, the way the router itself would.
 """
 
 from __future__ import annotations
