@@ -102,6 +102,8 @@ class VLLMConfig:
 
 # rollout.async_mode values: lagged (deterministic; gspo_lab.rollout.staleness)
 ASYNC_MODES = ("lagged",)
+# rollout.rescore values: the backends that can score tokens they did not sample (gspo_lab.rollout.rescore)
+RESCORERS = ("hf", "vllm")
 
 
 @dataclass
@@ -150,6 +152,11 @@ class RolloutConfig:
             weights.
         async_mode: how rows come to be stale when max_staleness > 0: "lagged" (deterministic, for studies: at
             step t the engine holds version max(t - k, 0)).
+        rescore: a diagnostic: score the sampled tokens again with a second engine, whose log-probs then stand for
+            the generating engine's (π_old under logprobs_from_generation=true; mismatch/*): null (none), "hf" (a
+            forward of the engine rollout.engine.* describes), "vllm" (vLLM's prompt log-probs, rollout.vllm.*;
+            temperature 1 only); naming the backend itself scores its samples with the same engine in one forward
+            (gspo_lab.rollout.rescore).
     """
 
     prompts_per_step: int = 16
@@ -175,6 +182,7 @@ class RolloutConfig:
     tool_timeout_s: float = 10.0
     max_staleness: int = 0
     async_mode: str = "lagged"
+    rescore: str | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.backend, str), "rollout.backend", self.backend,
@@ -193,6 +201,10 @@ class RolloutConfig:
                  f"must be one of {list(ASYNC_MODES)} (overlap, generation beside training, is not built yet)")
         _require(not (self.max_staleness and self.backend == "replay"), "rollout.max_staleness", self.max_staleness,
                  "recorded completions (rollout.backend=replay) have no weight version; use 0")
+        _require(self.rescore in (None, *RESCORERS), "rollout.rescore", self.rescore,
+                 f"must be null or one of {list(RESCORERS)} (an engine that scores tokens it did not sample)")
+        _require(not (self.rescore and self.backend == "replay"), "rollout.rescore", self.rescore,
+                 "recorded completions (rollout.backend=replay) come with no engine log-probs to replace; use null")
         if self.logprobs_from_generation is None:
             self.logprobs_from_generation = self.backend == "hf" and self.engine.is_trainer
         _require(isinstance(self.logprobs_from_generation, bool), "rollout.logprobs_from_generation",

@@ -39,6 +39,7 @@ from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards
 from gspo_lab.rollout import PromptSchedule, StepTicks
 from gspo_lab.rollout.backend import build_backend
 from gspo_lab.rollout.multi_turn import MultiTurn
+from gspo_lab.rollout.rescore import build_rescorer
 from gspo_lab.rollout.staleness import LaggedWeights
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
@@ -107,6 +108,7 @@ class RLModule(L.LightningModule):
         self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
         self.routing = RoutingReplay(model, routing.replay, diagnostics_rows=routing.diagnostics_rows)
         self.engine = build_backend(model, rollout)  # hf: the trainer's model itself unless configured
+        self.rescorer = build_rescorer(model, rollout, self.engine)  # rollout.rescore: a second engine scores, or None
         # rollout.max_staleness > 0: the engine generates from weights that lag the trainer's (async_mode=lagged)
         self.lag = LaggedWeights(model, rollout.max_staleness) if rollout.max_staleness > 0 else None
         self.render = (prompt or PromptFormat()).bind(tokenizer)
@@ -126,7 +128,7 @@ class RLModule(L.LightningModule):
         self.collector = RolloutCollector(self.engine, self.policy, self.probe, self.routing,
                                           PromptSchedule(task, rollout.prompts_per_step, seed), self.render, tokenizer,
                                           self.rewards, advantage, rollout, train.shuffle_rewards, kl_penalty,
-                                          agent_of(task), self.lag)
+                                          agent_of(task), self.lag, self.rescorer)
         self.updater = Updater(model, objective, self.policy, self.routing, self.probe, train,
                                backward=self.manual_backward, save_last=self.save_last_checkpoint)
 
@@ -213,6 +215,8 @@ class RLModule(L.LightningModule):
             self.rewards.runner.close()
         self.evaluation.close()
         self.engine.close()
+        if self.rescorer is not None:
+            self.rescorer.close()
         self.tool_runner.close()
 
     # ---- one RL step --------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from gspo_lab.eval_sets import build_eval
 from gspo_lab.objectives.micro_batches import check_splittable
 from gspo_lab.rewards import build_rewards, math_accuracy, unwrapped
 from gspo_lab.rollout.backend import RunSettings, backend_class
+from gspo_lab.rollout.rescore import check_rescore
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.tasks import HFDataset
 
@@ -83,9 +84,13 @@ def plan(cfg: DictConfig) -> Plan:
         check_multi_turn(parts["task"], parts["rollout"])
         if parts["routing"].replay != "off":  # raises for a dense or unsupported MoE
             find_routers(model_source.skeleton(), f"routing.replay={parts['routing'].replay}")
-        backend.check(RunSettings(parts["rollout"], parts["train"], parts["routing"], parts["evaluation"].settings,
-                                  model_source, "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
-                                  isinstance(trainer.strategy, ModelParallelStrategy), trainer.num_nodes))
+        settings = RunSettings(parts["rollout"], parts["train"], parts["routing"], parts["evaluation"].settings,
+                               model_source, "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
+                               isinstance(trainer.strategy, ModelParallelStrategy), trainer.num_nodes)
+        backend.check(settings)
+        if parts["rollout"].rescore not in (None, parts["rollout"].backend):  # the scoring engine's own refusals
+            backend_class(parts["rollout"].rescore).check(settings)
+        check_rescore(parts["rollout"])
         check_strategy(model_source, trainer, parts["rollout"])
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error

@@ -395,3 +395,42 @@ def test_a_multi_turn_run_continues_from_token_ids_on_the_engine(compose, tool_r
     assert tools.any() and batch.rollout_logp[tools].eq(0).all() and not batch.loss_mask.bool()[tools].any()
     model_tokens = batch.loss_mask.bool()  # π_old: the trainer's forward before the update, over the whole context
     assert (batch.rollout_logp - batch.old_logp)[model_tokens].abs().max().item() <= ROUNDING
+
+
+def test_the_engine_scores_its_own_samples_as_it_sampled_them(compose, rl_overrides):
+    """rollout.rescore=vllm's scores (prompt log-probs, one prefill) of the engine's samples are its sampling
+    log-probs and the trainer's, to float32 rounding across implementations."""
+    _, module, _ = build(compose(rl_overrides + VLLM))
+    module.engine.sync()
+    completions = module.engine.generate(module.tokenizer, PROMPTS, rollout_sampling(module),
+                                         torch.arange(len(PROMPTS))).completions
+    scores = module.engine.score(module.tokenizer, completions, 1.0)
+    input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)
+    attention = torch.cat([completions.prompt_mask, completions.completion_mask], 1)
+    with torch.no_grad():
+        trainer = token_logprobs(module.model, input_ids, attention, completions.completion_ids.shape[1], 1.0)[0]
+    module.close()
+    mask = completions.completion_mask.bool()
+    assert (scores - completions.logprobs)[mask].abs().max() <= ROUNDING
+    assert (scores - trainer)[mask].abs().max() <= ROUNDING
+    assert torch.equal(scores[~mask], torch.zeros_like(scores[~mask]))
+
+
+@pytest.mark.parametrize("engines", [["rollout.backend=hf", "rollout.engine.precision=bf16", "rollout.rescore=vllm",
+                                      "rollout.vllm.dtype=float32"],
+                                     ["rollout.backend=vllm", "rollout.vllm.dtype=bfloat16", "rollout.rescore=hf"]])
+def test_pi_old_comes_from_the_engine_that_rescores_the_samples(engines, compose, rl_overrides, updated_batches):
+    """A bfloat16 engine samples (the simulated one, or vLLM) and a float32 one rescores (vLLM, or transformers on
+    the trainer's weights): π_old (logprobs_from_generation=true) is the trainer's to float32 rounding, and the
+    rescoring moved the bfloat16 log-probs by more than rounding."""
+    run, module, _ = build(compose(rl_overrides + engines + ["train.steps=1", "train.eval_every=0",
+                                                             "rollout.logprobs_from_generation=true"]))
+    starting = {name: p.detach().clone() for name, p in module.model.named_parameters()}
+    run.trainer.fit(module)
+    batch = updated_batches[0]
+    module.model.load_state_dict(starting, strict=False)
+    with torch.no_grad():
+        trainer = token_logprobs(module.model, batch.input_ids, batch.attention_mask, batch.completion_len, 1.0)[0]
+    mask = batch.loss_mask.bool()
+    assert (batch.old_logp - trainer)[mask].abs().max() <= ROUNDING
+    assert module.history[0]["rescore/logp_abs_diff"] > 100 * ROUNDING

@@ -117,6 +117,10 @@ class RolloutBackend(Protocol):
     def close(self) -> None:
         """Stop what the backend runs beside the trainer (vLLM's engine); nothing for an ordinary module."""
 
+    # optional: a backend that can score tokens it did not sample (rollout.rescore, gspo_lab.rollout.rescore) has
+    # score(tokenizer, completions: Completions, temperature: float) -> Tensor [N, C], the log-probs of the
+    # completion tokens under its current weights (0 on padding)
+
 
 def backend_class(name: str) -> type[RolloutBackend]:
     """The class `BACKENDS` names for rollout.backend=`name`, or a class of your own package named as

@@ -25,8 +25,9 @@ from torch import Tensor
 
 from gspo_lab.config import PRECISIONS, RolloutConfig
 from gspo_lab.rollout.backend import RunSettings, Sampling
-from gspo_lab.rollout.completions import Generated
+from gspo_lab.rollout.completions import Completions, Generated
 from gspo_lab.rollout.generation import generate
+from gspo_lab.rollout.logprobs import token_logprobs
 from gspo_lab.routing.adapters import ADAPTERS, expert_input_dim
 from gspo_lab.routing.hooks import router_hooks
 
@@ -139,6 +140,18 @@ class RolloutEngine:
         prompt_len = completions.prompt_ids.shape[1]
         return Generated(completions, routing.generation_trace(prompt_len,
                                                                prompt_len + completions.completion_ids.shape[1]))
+
+    @torch.no_grad()
+    def score(self, tokenizer, completions: Completions, temperature: float) -> Tensor:
+        """log softmax(logits / temperature) [N, C] of the completion tokens under the generating model (the
+        engine's copy, in its precision), in one forward over prompt and completion (rollout.rescore)."""
+        input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)  # [N, P + C]
+        attention_mask = torch.cat([completions.prompt_mask, completions.completion_mask], 1)
+        device = next(self.model.parameters()).device
+        with self.generating():
+            logp, _ = token_logprobs(self.model, input_ids.to(device), attention_mask.to(device),
+                                     completions.completion_ids.shape[1], temperature)
+        return logp.float() * completions.completion_mask.to(device)
 
     def generating(self) -> ExitStack:
         """Around generate: an engine copy computes in its own precision, with the autocast that

@@ -264,6 +264,31 @@ class VLLMEngine:
         return Generated(assemble(tokenizer, encoded, [o.outputs[0] for o in outputs], stop, sampling.logprobs))
 
 
+    def score(self, tokenizer, completions: Completions, temperature: float) -> Tensor:
+        """vLLM's log-probs [N, C] of the completion tokens under the engine's current weights: its prompt log-probs
+        of prompt + completion (one prefill each; rollout.rescore). Those skip the sampler, so they are log
+        softmax(logits) at temperature 1 only."""
+        from vllm import SamplingParams
+
+        if temperature != 1:
+            raise ValueError(f"rollout.rescore=vllm with rollout.temperature={temperature}: vLLM scores a prompt's "
+                             "tokens on its raw logits, without the sampling temperature; use temperature 1")
+        rows = []
+        for prompt, keep, completion, length in zip(completions.prompt_ids.tolist(), completions.prompt_mask.tolist(),
+                                                    completions.completion_ids.tolist(),
+                                                    completions.completion_mask.sum(-1).tolist()):
+            rows.append([t for t, k in zip(prompt, keep) if k] + completion[:length])
+        params = SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        with autocast_off(self.device_type):
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows], params, use_tqdm=False)
+        scores = torch.zeros(completions.completion_ids.shape)  # [N, C]
+        for row, (ids, output, length) in enumerate(zip(rows, outputs, completions.completion_mask.sum(-1).tolist())):
+            positions = output.prompt_logprobs[len(ids) - length:]  # position i: {token id: Logprob} of token i
+            scores[row, :length] = torch.tensor([step[token].logprob for step, token in
+                                                 zip(positions, ids[len(ids) - length:])])
+        return scores
+
+
 def assemble(tokenizer, prompt_ids: list[list[int]], samples: list, stop: list[int], logprobs: bool = True
              ) -> Completions:
     """vLLM's outputs as `Completions`: prompts left-padded, completions right-padded to the longest, each cut

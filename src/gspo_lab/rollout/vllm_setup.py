@@ -45,10 +45,10 @@ def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: s
     (on the meta device), `device` the trainer's ("cpu" or "cuda"), `nodes` trainer.num_nodes."""
     if not available():
         raise ValueError(INSTALL)
-    if not rollout.engine.is_trainer:
+    if not rollout.engine.is_trainer and "hf" not in (rollout.backend, rollout.rescore):
         raise ValueError("rollout.engine.* simulates an inference engine on the hf backend; with rollout.backend=vllm "
                          "the engine is real: set its precision with rollout.vllm.dtype and leave rollout.engine at "
-                         "its defaults")
+                         "its defaults (or score with the simulated one: rollout.rescore=hf)")
     if replay == "r3":
         raise ValueError("routing.replay=r3 with rollout.backend=vllm: r3 replays the experts the engine chose, which "
                          "vLLM returns only through Model Runner V2 on a GPU (enable_return_routed_experts), not wired "

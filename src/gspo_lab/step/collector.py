@@ -2,7 +2,8 @@
 the rollout backend, rewards (and DAPO's further rounds of prompts), advantages, the mismatch probe's own forward,
 the old-policy and reference log-probs: a `Rollout`, the batch the updates train on and the rollout's metrics.
 Under rollout.max_staleness = k > 0 the backend generates from lagged weights (gspo_lab.rollout.staleness), and
-every row records its weight version.
+every row records its weight version; under rollout.rescore a second engine's scores of the samples replace the
+engine's log-probs (gspo_lab.rollout.rescore).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gspo_lab.rollout.completions import Completions, Generated, reward_inputs
 from gspo_lab.rollout.multi_turn import MultiTurn, generate_rows
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
 from gspo_lab.rollout.sampling import draw_row_seeds
+from gspo_lab.rollout.rescore import Rescorer, SyncedTogether
 from gspo_lab.rollout.staleness import LaggedWeights
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.step.metrics import add_round
@@ -47,13 +49,14 @@ class RolloutCollector:
                  routing: RoutingReplay, prompts: PromptSchedule, render: PromptFormat, tokenizer,
                  rewards: WeightedRewards, advantage: AdvantageEstimator, rollout: RolloutConfig,
                  shuffle_rewards: bool, kl_penalty: bool, agent: MultiTurn | None = None,
-                 lag: LaggedWeights | None = None) -> None:
+                 lag: LaggedWeights | None = None, rescorer: Rescorer | None = None) -> None:
         self.backend, self.policy, self.probe, self.routing = backend, policy, probe, routing
         self.prompts, self.render, self.tokenizer = prompts, render, tokenizer
         self.rewards, self.advantage, self.rollout_cfg = rewards, advantage, rollout
         self.shuffle_rewards, self.kl_penalty = shuffle_rewards, kl_penalty
         self.agent = agent  # the multi-turn loop of a task with tools (gspo_lab.rollout.multi_turn), or None
         self.lag = lag  # the lagged weight versions under rollout.max_staleness > 0, or None
+        self.rescorer = rescorer  # rollout.rescore: a second engine's scores replace the engine's log-probs, or None
 
     def collect(self, step: int, ranks: Ranks) -> Rollout:
         """This rank's rollout batch for RL step `step`, and its metrics."""
@@ -167,16 +170,21 @@ class RolloutCollector:
         samples do not depend on the batch size (unless the engine draws router noise, which it does per call)."""
         cfg = self.rollout_cfg
         started = time.perf_counter()
+        engines = SyncedTogether(self.backend, self.rescorer)
         if self.lag is None:
-            self.backend.sync()
+            engines.sync()
         else:
-            self.lag.sync(self.backend, step)
+            self.lag.sync(engines, step)
         synced = time.perf_counter()
         seeds = draw_row_seeds(len(examples))  # [N]
         sampling = Sampling.of_rollout(cfg, self.render.add_special_tokens)
         generated = generate_rows(self.backend, self.tokenizer, self.render, examples, sampling, seeds,
                                   cfg.generation_batch_size, self.routing, self.agent)
-        return generated, {"time/engine_sync_s": synced - started, "time/generate_s": time.perf_counter() - synced}
+        metrics = {"time/engine_sync_s": synced - started, "time/generate_s": time.perf_counter() - synced}
+        if self.rescorer is not None:
+            generated, scored = self.rescorer.rescored(self.tokenizer, generated)
+            metrics.update(scored)
+        return generated, metrics
 
     def score(self, step: int, examples: list[Example], generated: Generated) -> Scores:
         """The reward functions' scores of this round's completions (gspo_lab.rewards): each function gets the
