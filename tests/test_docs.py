@@ -131,6 +131,7 @@ COMMITTED_STUDIES = {"paper_main": "algorithm=gspo", "routing_replay": "algorith
                      "group_size": "rollout.group_size=8",
                      "expert_volatility": "model.config.num_hidden_layers=4 train.lr=3e-05",
                      "real_engine": "algorithm=grpo rollout.logprobs_from_generation=False",
+                     "real_engine/followup": "rollout.logprobs_from_generation=False",
                      "entropy": "algorithm=grpo",
                      "clip_lr/byo": "algorithm=grpo clip_scale=1.0 train.lr=0.0001",
                      "clip_lr/default": "algorithm=grpo clip_scale=1.0 train.lr=0.0001",
