@@ -68,6 +68,10 @@ def quantised_weights(model: torch.nn.Module) -> dict[str, int]:
     return weights
 
 
+SCORE_ROWS = 32  # rows per forward of `RolloutEngine.score`
+SCORE_CHUNK_TOKENS = 8192  # (row, token) positions whose logits one chunk of it holds
+
+
 class RolloutEngine:
     """rollout.backend=hf (a `RolloutBackend`): the model that generates, with transformers' `generate`, and the
     differences it has from the trainer's `model` (rollout.engine)."""
@@ -144,14 +148,21 @@ class RolloutEngine:
     @torch.no_grad()
     def score(self, tokenizer, completions: Completions, temperature: float) -> Tensor:
         """log softmax(logits / temperature) [N, C] of the completion tokens under the generating model (the
-        engine's copy, in its precision), in one forward over prompt and completion (rollout.rescore)."""
+        engine's copy, in its precision), in one forward over prompt and completion (rollout.rescore), SCORE_ROWS
+        rows at a time, the logits of at most SCORE_CHUNK_TOKENS positions alive at once (gspo_lab.rollout.logprobs;
+        a 152k vocabulary in float32: 5 GB)."""
         input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)  # [N, P + C]
         attention_mask = torch.cat([completions.prompt_mask, completions.completion_mask], 1)
         device = next(self.model.parameters()).device
+        parts = []
         with self.generating():
-            logp, _ = token_logprobs(self.model, input_ids.to(device), attention_mask.to(device),
-                                     completions.completion_ids.shape[1], temperature)
-        return logp.float() * completions.completion_mask.to(device)
+            for rows in range(0, len(input_ids), SCORE_ROWS):
+                logp, _ = token_logprobs(self.model, input_ids[rows:rows + SCORE_ROWS].to(device),
+                                         attention_mask[rows:rows + SCORE_ROWS].to(device),
+                                         completions.completion_ids.shape[1], temperature,
+                                         chunk_tokens=SCORE_CHUNK_TOKENS)
+                parts.append(logp.float())
+        return torch.cat(parts) * completions.completion_mask.to(device)
 
     def generating(self) -> ExitStack:
         """Around generate: an engine copy computes in its own precision, with the autocast that
