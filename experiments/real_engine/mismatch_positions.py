@@ -130,6 +130,22 @@ def report(name: str, recorders: list[Recorder], low: float, high: float) -> Non
               f"{adv[~trainer].mean():+.4f} | {adv.mean():+.4f}")
 
 
+def fit_gspo(engine: list[str], seed: int, steps: int, instrument, *overrides: str):
+    """One GSPO run of experiment=real_engine on the engine's log-probs as π_old (`engine`: overrides naming it),
+    in a temporary folder, with `instrument(module)` called before it trains; returns its config and what
+    `instrument` returned. sign_bias.py runs its engines through this too."""
+    with tempfile.TemporaryDirectory() as out, initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=real_engine", "algorithm=gspo", f"seed={seed}",
+                                          "rollout.logprobs_from_generation=true", f"train.steps={steps}",
+                                          "train.eval_every=0", f"paths.output_dir={out}", "logger=[]",
+                                          "callbacks.progress.refresh_rate=0", *engine, *overrides])
+        run, module, _ = build(cfg)
+        instrumented = instrument(module)
+        run.trainer.fit(module)
+        module.close()
+    return cfg, instrumented
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
@@ -140,19 +156,9 @@ def main() -> None:
     for name in args.engines:
         recorders = []
         for seed in args.seeds:
-            with tempfile.TemporaryDirectory() as out, initialize_config_dir(config_dir=CONFIG_DIR,
-                                                                             version_base="1.3"):
-                cfg = compose("train", overrides=["experiment=real_engine", "algorithm=gspo", f"seed={seed}",
-                                                  "rollout.logprobs_from_generation=true", f"train.steps={args.steps}",
-                                                  "train.eval_every=0", f"paths.output_dir={out}", "logger=[]",
-                                                  "callbacks.progress.refresh_rate=0", *ENGINES[name],
-                                                  *args.overrides])
-                run, module, _ = build(cfg)
-                recorders.append(Recorder(module))
-                run.trainer.fit(module)
-                module.close()
+            cfg, recorder = fit_gspo(ENGINES[name], seed, args.steps, Recorder, *args.overrides)
+            recorders.append(recorder)
         report(name, recorders, cfg.objective.clip_low, cfg.objective.clip_high)
-
 
 if __name__ == "__main__":
     main()

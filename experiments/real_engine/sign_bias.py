@@ -12,13 +12,13 @@ clip drops on that first mini-batch.
 from __future__ import annotations
 
 import argparse
-import tempfile
+import sys
+from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from gspo_lab import CONFIG_DIR
-from gspo_lab.train import build
+sys.path.insert(0, str(Path(__file__).parent))
+from mismatch_positions import fit_gspo  # noqa: E402  (this folder's other diagnostic: one GSPO run per seed)
 
 ENGINES = {"real (vLLM bf16)": [], "simulated (hf bf16)": ["rollout.backend=hf", "rollout.engine.precision=bf16"]}
 
@@ -46,19 +46,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     args = parser.parse_args()
+
+    def record(module) -> Recording:
+        module.updater.objective = recording = Recording(module.updater.objective)
+        return recording
+
     for name, engine in ENGINES.items():
         first = []
         for seed in args.seeds:
-            with tempfile.TemporaryDirectory() as out, initialize_config_dir(config_dir=CONFIG_DIR,
-                                                                             version_base="1.3"):
-                cfg = compose("train", overrides=["experiment=real_engine", "algorithm=gspo", f"seed={seed}",
-                                                  "rollout.logprobs_from_generation=true", f"train.steps={args.steps}",
-                                                  "train.eval_every=0", f"paths.output_dir={out}", "logger=[]",
-                                                  "callbacks.progress.refresh_rate=0", *engine])
-                run, module, _ = build(cfg)
-                module.updater.objective = recording = Recording(module.updater.objective)
-                run.trainer.fit(module)
-                module.close()
+            cfg, recording = fit_gspo(engine, seed, args.steps, record)
             first += recording.calls[::cfg.train.minibatches]  # each step's first mini-batch
         log_s = torch.cat([c[0] for c in first])
         adv = torch.cat([c[1] for c in first])
