@@ -100,8 +100,43 @@ class VLLMConfig:
                      "must be true or false")
 
 
-# rollout.async_mode values: lagged (deterministic; gspo_lab.rollout.staleness)
-ASYNC_MODES = ("lagged",)
+# rollout.async_mode values: lagged (deterministic; gspo_lab.rollout.staleness), overlap (generation beside training in
+# an engine process of its own; gspo_lab.rollout.overlap)
+ASYNC_MODES = ("lagged", "overlap")
+# rollout.stale_policy values, under async_mode=overlap: what happens to a rollout more than k versions old
+STALE_POLICIES = ("wait", "drop")
+
+
+@dataclass
+class OverlapConfig:
+    """rollout.async_mode=overlap's settings (gspo_lab.rollout.overlap): a vLLM engine in a process of its own
+    generates the next steps' rollouts while the trainer trains.
+
+    Args:
+        queue_size: the rollouts the engine may generate ahead of the one being trained on; null: max_staleness.
+            Under stale_policy=wait it is at most max_staleness (the engine could not start one further ahead); under
+            drop it may be larger, and a rollout more than max_staleness versions old when its step comes is
+            dropped and generated again.
+        engine_cores: the CPU cores the engine process runs on; the trainer process keeps the others. null: the last
+            core of those this process may use.
+        timeout_s: how long the trainer waits for the engine (its start, a rollout) before it stops the run.
+    """
+
+    queue_size: int | None = None
+    engine_cores: list[int] | None = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.queue_size is not None:
+            _positive_int("rollout.overlap.queue_size", self.queue_size)
+        cores = self.engine_cores
+        _require(cores is None or (len(cores) > 0 and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                                           for c in cores)),
+                 "rollout.overlap.engine_cores", cores, "must be null or a non-empty list of core numbers (integers >= 0)")
+        if cores is not None:
+            self.engine_cores = list(cores)
+        _require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "rollout.overlap.timeout_s",
+                 self.timeout_s, "must be a number > 0")
 # rollout.rescore values: the backends that can score tokens they did not sample (gspo_lab.rollout.rescore)
 RESCORERS = ("hf", "vllm")
 
@@ -151,7 +186,12 @@ class RolloutConfig:
             one per RL step; gspo_lab.rollout.staleness). 0: the synchronous step, every row from the current
             weights.
         async_mode: how rows come to be stale when max_staleness > 0: "lagged" (deterministic, for studies: at
-            step t the engine holds version max(t - k, 0)).
+            step t the engine holds version max(t - k, 0)), or "overlap" (a vLLM engine in a process of its own
+            generates the next steps' rollouts while the trainer trains; `overlap`; backend=vllm, on CPU).
+        stale_policy: under overlap, a rollout too old for its step: "wait" (the engine never starts one that would
+            be: it waits for the trainer's weights) or "drop" (it is dropped and generated again from the current
+            weights; off_policy/dropped).
+        overlap: async_mode=overlap's settings (`OverlapConfig`).
         rescore: a diagnostic: score the sampled tokens again with a second engine, whose log-probs then stand for
             the generating engine's (π_old under logprobs_from_generation=true; mismatch/*): null (none), "hf" (a
             forward of the engine rollout.engine.* describes), "vllm" (vLLM's prompt log-probs, rollout.vllm.*;
@@ -182,6 +222,8 @@ class RolloutConfig:
     tool_timeout_s: float = 10.0
     max_staleness: int = 0
     async_mode: str = "lagged"
+    stale_policy: str = "wait"
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
     rescore: str | None = None
 
     def __post_init__(self) -> None:
@@ -198,7 +240,11 @@ class RolloutConfig:
         _require(isinstance(self.max_staleness, int) and not isinstance(self.max_staleness, bool)
                  and self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness, "must be an integer >= 0")
         _require(self.async_mode in ASYNC_MODES, "rollout.async_mode", self.async_mode,
-                 f"must be one of {list(ASYNC_MODES)} (overlap, generation beside training, is not built yet)")
+                 f"must be one of {list(ASYNC_MODES)}")
+        _require(self.stale_policy in STALE_POLICIES, "rollout.stale_policy", self.stale_policy,
+                 f"must be one of {list(STALE_POLICIES)}")
+        if self.async_mode == "overlap":
+            self.check_overlap()
         _require(not (self.max_staleness and self.backend == "replay"), "rollout.max_staleness", self.max_staleness,
                  "recorded completions (rollout.backend=replay) have no weight version; use 0")
         _require(self.rescore in (None, *RESCORERS), "rollout.rescore", self.rescore,
@@ -228,6 +274,24 @@ class RolloutConfig:
         _require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), "rollout.stop_token_ids",
                  self.stop_token_ids, "must be a list of token ids (integers >= 0)")
         self.stop_token_ids = ids
+
+    def check_overlap(self) -> None:
+        """What async_mode=overlap needs of the other rollout settings: a vLLM engine generating whole single-round
+        rollouts ahead of the trainer, at most k versions old."""
+        _require(self.backend == "vllm", "rollout.async_mode", self.async_mode,
+                 f"overlap runs a vLLM engine in a process of its own; rollout.backend={self.backend!r} must be vllm "
+                 "(or use async_mode=lagged, which runs on every backend)")
+        _require(self.max_staleness >= 1, "rollout.async_mode", self.async_mode,
+                 "overlap generates ahead of the trainer, so its rows are stale: set rollout.max_staleness >= 1")
+        queue = self.overlap.queue_size
+        _require(not (self.stale_policy == "wait" and queue is not None and queue > self.max_staleness),
+                 "rollout.overlap.queue_size", queue, f"under rollout.stale_policy=wait the engine generates at most "
+                 f"max_staleness={self.max_staleness} rollouts ahead; use a smaller queue or stale_policy=drop")
+        for key, value, rule in (
+                ("filter_zero_std_groups", self.filter_zero_std_groups, "its further rounds are sampled within the "
+                 "step, from the current weights"),
+                ("rescore", self.rescore, "a second engine would score in the trainer's process")):
+            _require(not value, f"rollout.{key}", value, f"not supported with rollout.async_mode=overlap: {rule}")
 
     @property
     def batch_size(self) -> int:

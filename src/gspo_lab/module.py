@@ -40,6 +40,7 @@ from gspo_lab.rollout import PromptSchedule, StepTicks
 from gspo_lab.rollout.backend import build_backend
 from gspo_lab.rollout.multi_turn import MultiTurn
 from gspo_lab.rollout.rescore import build_rescorer
+from gspo_lab.rollout.overlap import OverlapRollouts
 from gspo_lab.rollout.staleness import LaggedWeights
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
@@ -109,9 +110,13 @@ class RLModule(L.LightningModule):
         self.routing = RoutingReplay(model, routing.replay, diagnostics_rows=routing.diagnostics_rows)
         self.engine = build_backend(model, rollout)  # hf: the trainer's model itself unless configured
         self.rescorer = build_rescorer(model, rollout, self.engine)  # rollout.rescore: a second engine scores, or None
-        # rollout.max_staleness > 0: the engine generates from weights that lag the trainer's (async_mode=lagged)
-        self.lag = LaggedWeights(model, rollout.max_staleness) if rollout.max_staleness > 0 else None
+        # rollout.max_staleness > 0: the engine generates from weights that lag the trainer's (async_mode=lagged), or
+        # an engine process generates ahead of the trainer (overlap)
+        overlap = rollout.max_staleness > 0 and rollout.async_mode == "overlap"
+        self.lag = LaggedWeights(model, rollout.max_staleness) if rollout.max_staleness > 0 and not overlap else None
         self.render = (prompt or PromptFormat()).bind(tokenizer)
+        prompts = PromptSchedule(task, rollout.prompts_per_step, seed)
+        self.overlap = OverlapRollouts(model, rollout, prompts, self.render, tokenizer, seed) if overlap else None
         # tools and environments of a multi-turn task run in these workers (started on first use)
         self.tool_runner = ToolRunner(rollout.tool_workers, rollout.tool_timeout_s)
         agent_of = MultiTurn.factory(rollout, self.tool_runner, tokenizer, self.render.format.chat_template_kwargs)
@@ -125,10 +130,9 @@ class RLModule(L.LightningModule):
         # the step's parts (gspo_lab.step)
         self.policy = PolicyForwards(model, self.reference, lora, self.routing, rollout, train)
         self.probe = MismatchProbe(self.routing, self.policy, train.minibatches, routing.diagnostics_every)
-        self.collector = RolloutCollector(self.engine, self.policy, self.probe, self.routing,
-                                          PromptSchedule(task, rollout.prompts_per_step, seed), self.render, tokenizer,
-                                          self.rewards, advantage, rollout, train.shuffle_rewards, kl_penalty,
-                                          agent_of(task), self.lag, self.rescorer)
+        self.collector = RolloutCollector(self.engine, self.policy, self.probe, self.routing, prompts, self.render,
+                                          tokenizer, self.rewards, advantage, rollout, train.shuffle_rewards,
+                                          kl_penalty, agent_of(task), self.lag, self.rescorer, self.overlap)
         self.updater = Updater(model, objective, self.policy, self.routing, self.probe, train,
                                backward=self.manual_backward, save_last=self.save_last_checkpoint)
 
@@ -217,6 +221,8 @@ class RLModule(L.LightningModule):
         self.engine.close()
         if self.rescorer is not None:
             self.rescorer.close()
+        if self.overlap is not None:
+            self.overlap.close()
         self.tool_runner.close()
 
     # ---- one RL step --------------------------------------------------------------------------------------
@@ -276,7 +282,10 @@ class RLModule(L.LightningModule):
         training's random state is restored after it. Rank 0 keeps its prompts among the first `eval.samples` of each
         set in samples/step_<step>.jsonl (and a wandb Table)."""
         cuda = [self.device] if self.device.type == "cuda" else []
-        backend, generated_by = evaluation_backend(self.engine, self.model, self.evaluator.settings.engine)
+        # under async_mode=overlap the engine process holds stale weights and works for the RL step: evaluation runs
+        # transformers on the trainer's weights (eval/engine_vllm 0)
+        engine = self.engine if self.overlap is None else None
+        backend, generated_by = evaluation_backend(engine, self.model, self.evaluator.settings.engine)
         with torch.random.fork_rng(devices=cuda):
             metrics, rows = self.evaluator.run(
                 self.model, self.tokenizer, self.global_rank, self.trainer.world_size,

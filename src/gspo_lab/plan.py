@@ -92,6 +92,8 @@ def plan(cfg: DictConfig) -> Plan:
             backend_class(parts["rollout"].rescore).check(settings)
         check_rescore(parts["rollout"])
         check_strategy(model_source, trainer, parts["rollout"])
+        if parts["rollout"].async_mode == "overlap":
+            check_overlap(parts["rollout"], settings.device, trainer.world_size)
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error
     except (ValueError, FileNotFoundError) as error:
@@ -107,6 +109,21 @@ def check_multi_turn(task, rollout) -> None:
     if task.toolset is not None and rollout.backend == "replay":
         raise ValueError("rollout.backend=replay with task.tools or task.environment: a recorded completion cannot "
                          "answer a tool result; use rollout.backend=hf or vllm")
+    if task.toolset is not None and rollout.async_mode == "overlap":
+        raise ValueError("rollout.async_mode=overlap with task.tools or task.environment: the multi-turn loop runs the "
+                         "tools in the trainer's process between the engine's turns; use async_mode=lagged")
+
+
+def check_overlap(rollout, device: str, world_size: int) -> None:
+    """rollout.async_mode=overlap as built: one trainer process on CPU beside one engine process, each on cores of
+    its own (gspo_lab.rollout.overlap; the multi-GPU design is in docs/concepts/staleness.md, not built)."""
+    if device != "cpu" or world_size != 1:
+        raise ValueError(f"rollout.async_mode=overlap runs one trainer process on CPU beside its engine process (here: "
+                         f"{world_size} process(es) on {device}); the design for engine ranks on GPUs of their own is in "
+                         "docs/concepts/staleness.md, not built. Use async_mode=lagged")
+    from gspo_lab.rollout.overlap import split_cores
+
+    split_cores(rollout.overlap.engine_cores)
 
 
 def check_advantage_settings(advantage: DictConfig) -> None:

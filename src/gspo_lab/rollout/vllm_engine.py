@@ -185,30 +185,11 @@ class VLLMEngine:
         environment()
         from vllm import LLM
 
-        self.folder = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
-        config = copy.deepcopy(self.trainer_model.config)
-        # a model built from config and never saved names no architecture, and vLLM would guess another runner
-        config.architectures = [type(self.trainer_model).__name__]
-        config.save_pretrained(self.folder.name)
-        on_cpu = self.device_type == "cpu"
-        # on CPU the KV cache is this engine's rollout.vllm.cpu_kv_cache_gb (a VLLM_CPU_KVCACHE_SPACE of the user's
-        # wins); on a GPU gpu_memory_utilization sizes it
-        kv_cache = {"kv_cache_memory_bytes": self.config.cpu_kv_cache_gb * 2**30} if on_cpu else {}
+        self.folder = saved_config(self.trainer_model)
         self.owns_process_group = not torch.distributed.is_initialized()
         with host_state_kept(), autocast_off(self.device_type):
-            self.llm = LLM(
-                **ranks_own_engine(next(self.trainer_model.parameters()).device), **kv_cache,
-                model=self.folder.name, load_format="dummy", skip_tokenizer_init=True, dtype=self.dtype, seed=0,
-                runner="generate",
-                # a partly prefilled row's sampled token is discarded by rewinding its seeded generator, which
-                # CPU generators cannot do (RuntimeError: CPU Generator does not use offset): on CPU each prompt
-                # is prefilled whole
-                enable_chunked_prefill=not on_cpu,
-                max_model_len=self.config.max_model_len, logprobs_mode="processed_logprobs",
-                generation_config="vllm", enforce_eager=self.config.enforce_eager,
-                gpu_memory_utilization=self.config.gpu_memory_utilization,
-                enable_prefix_caching=self.config.enable_prefix_caching,
-            )
+            self.llm = LLM(**ranks_own_engine(next(self.trainer_model.parameters()).device),
+                           **engine_arguments(self.folder.name, self.dtype, self.device_type, self.config))
         quiet_reloads()  # vLLM has configured its loggers by now
 
     def close(self) -> None:
@@ -248,21 +229,16 @@ class VLLMEngine:
         `sampling.share_prompts`. `suppress_eos` (benchmarks): every completion runs to max_new_tokens; a stop
         token may be sampled, and does not stop it (hf never samples one), so the distribution and its log-probs
         stay the trainer's."""
-        from vllm import SamplingParams
-
         stop = [] if sampling.suppress_eos else stop_ids(tokenizer, self.trainer_model, sampling.stop_token_ids)
         encoded = ([list(ids) for ids in prompts] if prompts and not isinstance(prompts[0], str) else
                    tokenizer(prompts, add_special_tokens=sampling.add_special_tokens)["input_ids"])
         seeds = [None] * len(prompts) if sampling.greedy else (row_seeds if row_seeds is not None else
                                                                  draw_row_seeds(len(prompts))).tolist()
-        params = [SamplingParams(n=1, temperature=0.0 if sampling.greedy else sampling.temperature,
-                                 top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, seed=seed,
-                                 logprobs=0 if sampling.logprobs else None, stop_token_ids=stop, ignore_eos=True,
-                                 detokenize=False) for seed in seeds]
         with autocast_off(self.device_type):
-            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
-        return Generated(assemble(tokenizer, encoded, [o.outputs[0] for o in outputs], stop, sampling.logprobs))
-
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded],
+                                        sampling_params(sampling, seeds, stop), use_tqdm=False)
+        tokens, logprobs = sampled_lists(outputs, sampling.logprobs)
+        return Generated(assemble(tokenizer, encoded, tokens, logprobs, stop))
 
     def score(self, tokenizer, completions: Completions, temperature: float) -> Tensor:
         """vLLM's log-probs [N, C] of the completion tokens under the engine's current weights: its prompt log-probs
@@ -289,21 +265,72 @@ class VLLMEngine:
         return scores
 
 
-def assemble(tokenizer, prompt_ids: list[list[int]], samples: list, stop: list[int], logprobs: bool = True
-             ) -> Completions:
-    """vLLM's outputs as `Completions`: prompts left-padded, completions right-padded to the longest, each cut
-    after its first stop token, with the log-prob of each sampled token (0 on padding) where vLLM returned them."""
+def saved_config(model: torch.nn.Module) -> tempfile.TemporaryDirectory:
+    """A folder holding `model`'s config, which vLLM builds its model from (with dummy weights until a sync)."""
+    folder = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
+    config = copy.deepcopy(model.config)
+    # a model built from config and never saved names no architecture, and vLLM would guess another runner
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(folder.name)
+    return folder
+
+
+def engine_arguments(folder: str, dtype: str, device_type: str, config) -> dict:
+    """vLLM's `LLM` arguments for an engine built from the config in `folder` (`saved_config`), with the rollout.vllm
+    settings `config`, on `device_type` ("cpu" or "cuda"), in `dtype`."""
+    on_cpu = device_type == "cpu"
+    # on CPU the KV cache is this engine's rollout.vllm.cpu_kv_cache_gb (a VLLM_CPU_KVCACHE_SPACE of the user's
+    # wins); on a GPU gpu_memory_utilization sizes it
+    kv_cache = {"kv_cache_memory_bytes": config.cpu_kv_cache_gb * 2**30} if on_cpu else {}
+    return dict(
+        **kv_cache, model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, seed=0,
+        runner="generate",
+        # a partly prefilled row's sampled token is discarded by rewinding its seeded generator, which CPU
+        # generators cannot do (RuntimeError: CPU Generator does not use offset): on CPU each prompt is prefilled
+        # whole
+        enable_chunked_prefill=not on_cpu,
+        max_model_len=config.max_model_len, logprobs_mode="processed_logprobs", generation_config="vllm",
+        enforce_eager=config.enforce_eager, gpu_memory_utilization=config.gpu_memory_utilization,
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
+
+
+def sampling_params(sampling: Sampling, seeds: list[int | None], stop: list[int]) -> list:
+    """vLLM's `SamplingParams` of each row: `sampling`, row n's seed (None: greedy), cut at the `stop` ids after
+    the fact (`assemble`), so vLLM itself ignores EOS."""
+    from vllm import SamplingParams
+
+    return [SamplingParams(n=1, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=sampling.top_p,
+                           max_tokens=sampling.max_new_tokens, seed=seed, logprobs=0 if sampling.logprobs else None,
+                           stop_token_ids=stop, ignore_eos=True, detokenize=False) for seed in seeds]
+
+
+def sampled_lists(outputs: list, logprobs: bool) -> tuple[list[list[int]], list[list[float]] | None]:
+    """vLLM's request outputs as plain lists: each row's sampled token ids, and the log-prob of each (where
+    `logprobs`)."""
+    samples = [output.outputs[0] for output in outputs]
+    tokens = [list(sample.token_ids) for sample in samples]
+    if not logprobs:
+        return tokens, None
+    return tokens, [[step[token].logprob for step, token in zip(sample.logprobs, ids)]
+                    for sample, ids in zip(samples, tokens)]
+
+
+def assemble(tokenizer, prompt_ids: list[list[int]], tokens: list[list[int]], logprobs: list[list[float]] | None,
+             stop: list[int]) -> Completions:
+    """Sampled rows as `Completions`: prompts left-padded, completions right-padded to the longest, each cut after
+    its first stop token, with the log-prob of each sampled token (0 on padding) where given."""
     pad = tokenizer.pad_token_id
     width = max(len(ids) for ids in prompt_ids)
     prompts = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])  # [N, P]
     prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
-    length = max(1, max(len(s.token_ids) for s in samples))
-    tokens = torch.full((len(samples), length), pad, dtype=torch.long)  # [N, C]
-    values = torch.zeros(len(samples), length)
-    for row, sample in enumerate(samples):
-        ids = list(sample.token_ids)
-        tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        if logprobs:
-            values[row, : len(ids)] = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, ids)])
-    generated = torch.tensor([[1] * len(s.token_ids) + [0] * (length - len(s.token_ids)) for s in samples]).bool()
-    return cut_at_stop(tokenizer, prompts, prompt_mask, tokens, stop, values if logprobs else None, generated)
+    length = max(1, max(len(ids) for ids in tokens))
+    completion = torch.full((len(tokens), length), pad, dtype=torch.long)  # [N, C]
+    values = torch.zeros(len(tokens), length)
+    for row, ids in enumerate(tokens):
+        completion[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        if logprobs is not None:
+            values[row, : len(ids)] = torch.tensor(logprobs[row])
+    generated = torch.tensor([[1] * len(ids) + [0] * (length - len(ids)) for ids in tokens]).bool()
+    return cut_at_stop(tokenizer, prompts, prompt_mask, completion, stop, values if logprobs is not None else None,
+                       generated)

@@ -1,8 +1,9 @@
 """The rollout half of an RL step, `RolloutCollector.collect`: this rank's prompts, `group_size` completions each from
 the rollout backend, rewards (and DAPO's further rounds of prompts), advantages, the mismatch probe's own forward,
 the old-policy and reference log-probs: a `Rollout`, the batch the updates train on and the rollout's metrics.
-Under rollout.max_staleness = k > 0 the backend generates from lagged weights (gspo_lab.rollout.staleness), and
-every row records its weight version; under rollout.rescore a second engine's scores of the samples replace the
+Under rollout.max_staleness = k > 0 the backend generates from lagged weights (gspo_lab.rollout.staleness), or an
+engine process generates ahead of the trainer (async_mode=overlap, gspo_lab.rollout.overlap), and every row records
+its weight version; under rollout.rescore a second engine's scores of the samples replace the
 engine's log-probs (gspo_lab.rollout.rescore).
 """
 
@@ -22,6 +23,7 @@ from gspo_lab.rollout import PromptSchedule, RolloutBatch
 from gspo_lab.rollout.backend import RolloutBackend, Sampling
 from gspo_lab.rollout.completions import Completions, Generated, reward_inputs
 from gspo_lab.rollout.multi_turn import MultiTurn, generate_rows
+from gspo_lab.rollout.overlap import OverlapRollouts
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
 from gspo_lab.rollout.sampling import draw_row_seeds
 from gspo_lab.rollout.rescore import Rescorer, SyncedTogether
@@ -49,7 +51,8 @@ class RolloutCollector:
                  routing: RoutingReplay, prompts: PromptSchedule, render: PromptFormat, tokenizer,
                  rewards: WeightedRewards, advantage: AdvantageEstimator, rollout: RolloutConfig,
                  shuffle_rewards: bool, kl_penalty: bool, agent: MultiTurn | None = None,
-                 lag: LaggedWeights | None = None, rescorer: Rescorer | None = None) -> None:
+                 lag: LaggedWeights | None = None, rescorer: Rescorer | None = None,
+                 overlap: OverlapRollouts | None = None) -> None:
         self.backend, self.policy, self.probe, self.routing = backend, policy, probe, routing
         self.prompts, self.render, self.tokenizer = prompts, render, tokenizer
         self.rewards, self.advantage, self.rollout_cfg = rewards, advantage, rollout
@@ -57,6 +60,8 @@ class RolloutCollector:
         self.agent = agent  # the multi-turn loop of a task with tools (gspo_lab.rollout.multi_turn), or None
         self.lag = lag  # the lagged weight versions under rollout.max_staleness > 0, or None
         self.rescorer = rescorer  # rollout.rescore: a second engine's scores replace the engine's log-probs, or None
+        self.overlap = overlap  # async_mode=overlap: the engine process generating ahead, or None
+        self.version: int | None = None  # the weight version of the last rollout (stale rollouts only)
 
     def collect(self, step: int, ranks: Ranks) -> Rollout:
         """This rank's rollout batch for RL step `step`, and its metrics."""
@@ -71,8 +76,8 @@ class RolloutCollector:
             trained = sample_metrics(sampled.scored_rewards, sampled.completions, cfg.group_size)
             metrics.update({f"trained/{key}": value for key, value in trained.items()})
         batch = self.batch(sampled, ranks.device)
-        if self.lag is not None:
-            batch.versions = torch.full((len(batch.rewards),), self.lag.version_for(step), device=ranks.device)
+        if self.version is not None:
+            batch.versions = torch.full((len(batch.rewards),), self.version, device=ranks.device)
             metrics.update(staleness_metrics(batch.versions, step, cfg.max_staleness))
         metrics.update(self.probe.own_forward(batch, step))
         started = time.perf_counter()
@@ -167,20 +172,26 @@ class RolloutCollector:
         of rollout.generation_batch_size rows (through the multi-turn loop for a task with tools), and the time
         each took; the engine's own log-probs of the sampled tokens are always kept, and its experts when routing
         records them. Each row samples from its own stream, its seed drawn here for all rows at once, so the
-        samples do not depend on the batch size (unless the engine draws router noise, which it does per call)."""
+        samples do not depend on the batch size (unless the engine draws router noise, which it does per call).
+        Under async_mode=overlap: the rollout the engine process generated for the step (the same prompts)."""
         cfg = self.rollout_cfg
+        if self.overlap is not None:
+            generated, self.version, metrics = self.overlap.generated(step)
+            return generated, metrics
         started = time.perf_counter()
         engines = SyncedTogether(self.backend, self.rescorer)
+        metrics = {}
         if self.lag is None:
             engines.sync()
         else:
-            self.lag.sync(engines, step)
+            self.version = self.lag.sync(engines, step)
+            metrics = {"off_policy/dropped": 0.0, "time/wait_s": 0.0}  # lagged: nothing dropped, nothing waited for
         synced = time.perf_counter()
         seeds = draw_row_seeds(len(examples))  # [N]
         sampling = Sampling.of_rollout(cfg, self.render.add_special_tokens)
         generated = generate_rows(self.backend, self.tokenizer, self.render, examples, sampling, seeds,
                                   cfg.generation_batch_size, self.routing, self.agent)
-        metrics = {"time/engine_sync_s": synced - started, "time/generate_s": time.perf_counter() - synced}
+        metrics.update({"time/engine_sync_s": synced - started, "time/generate_s": time.perf_counter() - synced})
         if self.rescorer is not None:
             generated, scored = self.rescorer.rescored(self.tokenizer, generated)
             metrics.update(scored)
@@ -211,16 +222,14 @@ def sample_metrics(rewards: torch.Tensor, completions: Completions, group_size: 
 
 
 def staleness_metrics(versions: torch.Tensor, step: int, max_staleness: int) -> dict[str, float]:
-    """off_policy/staleness_mean and _max (how many versions each row's weights lag step `step`'s, versions [B]),
-    off_policy/dropped (rows too old, dropped: none in lagged mode) and time/wait_s (time spent waiting for rows:
-    none in lagged mode). A row older than `max_staleness` is a bug, never trained on: RuntimeError."""
+    """off_policy/staleness_mean and _max: how many versions each row's weights lag step `step`'s (versions [B]).
+    A row older than `max_staleness` is a bug, never trained on: RuntimeError."""
     staleness = step - versions  # [B]
     oldest = int(staleness.max())
     if oldest > max_staleness:
         raise RuntimeError(f"RL step {step}: a row {oldest} weight versions old reached the trainer; "
                            f"rollout.max_staleness={max_staleness}")
-    return {"off_policy/staleness_mean": staleness.float().mean().item(), "off_policy/staleness_max": float(oldest),
-            "off_policy/dropped": 0.0, "time/wait_s": 0.0}
+    return {"off_policy/staleness_mean": staleness.float().mean().item(), "off_policy/staleness_max": float(oldest)}
 
 
 def tool_metrics(generated: Generated) -> dict[str, float]:

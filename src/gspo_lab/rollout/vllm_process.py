@@ -1,0 +1,298 @@
+"""rollout.async_mode=overlap's engine: vLLM in a process of its own, on CPU cores of its own, generating while the
+trainer trains (gspo_lab.rollout.overlap decides what it generates and when).
+
+The trainer process starts it (`EngineProcess.start`) and stops it with itself (`close`). Two channels join them:
+
+- **control**, two multiprocessing queues of small pickled messages. To the engine: a weight version to receive, a
+  rollout to generate (prompt token ids, each row's seed, the sampling settings, the oldest weight version it may
+  be generated with), stop. Back: each rollout's sampled token ids and log-probs, the version that generated it,
+  and when its generation started and ended (time.monotonic, which both processes share on Linux).
+- **weights**, a gloo process group of two made for the purpose (rank 0 the trainer, rank 1 the engine; a TCPStore
+  of its own, apart from any group the trainer's strategy or vLLM holds). A version is one broadcast of every
+  checkpoint tensor's bytes (gspo_lab.rollout.vllm_setup.checkpoint_tensors order, MoE banks split as vLLM's
+  loaders take them), which the engine loads through vLLM's in-place reload as the colocated engine does. No
+  state dict is pickled. The trainer's broadcast is asynchronous: it copies the weights into a host buffer,
+  issues the broadcast and trains on; the engine receives it between two rollouts, never within one.
+
+The engine applies every version that has arrived before it starts a rollout, generates the earliest step's pending
+rollout first, and starts one only once it holds a version at least the rollout's `min_version`
+(gspo_lab.rollout.overlap sets it from rollout.stale_policy). It
+ignores SIGINT and SIGTERM (the trainer stops it after its checkpoint) and exits when the trainer process is
+gone. On a GPU the same design would take NCCL for the weights and a device of its own; that is not built
+(docs/concepts/staleness.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroupGloo, TCPStore
+
+from gspo_lab.config import RolloutConfig
+from gspo_lab.rollout.backend import Sampling
+
+ALIGN = 64  # bytes: each tensor's offset in the weight buffer, so that a uint8 slice can be viewed as any dtype
+POLL_S = 1.0  # seconds between the engine's checks that the trainer process is still there
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each checkpoint tensor lies in a version's byte buffer: (name, dtype, shape, offset in bytes)."""
+
+    tensors: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, weights: list[tuple[str, Tensor]]) -> Layout:
+        tensors, offset = [], 0
+        for name, tensor in weights:
+            tensors.append((name, tensor.dtype, tuple(tensor.shape), offset))
+            offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        return cls(tuple(tensors), max(offset, ALIGN))
+
+    def pack(self, weights: list[tuple[str, Tensor]]) -> Tensor:
+        """The tensors' bytes in one new host buffer [nbytes] uint8: the version's snapshot."""
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+        for (name, dtype, shape, offset), (_, tensor) in zip(self.tensors, weights, strict=True):
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            buffer[offset : offset + data.numel()].copy_(data)
+        return buffer
+
+    def unpack(self, buffer: Tensor) -> list[tuple[str, Tensor]]:
+        """Views of `buffer`'s bytes as the named tensors (no copy)."""
+        views = []
+        for name, dtype, shape, offset in self.tensors:
+            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            views.append((name, buffer[offset : offset + size].view(dtype).view(shape)))
+        return views
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine process needs to build its engine and join the weight group."""
+
+    folder: str  # the model's config (gspo_lab.rollout.vllm_engine.saved_config)
+    dtype: str
+    vllm: object  # rollout.vllm (a VLLMConfig)
+    cores: tuple[int, ...]
+    layout: Layout
+    port: int
+    parent: int  # the trainer's pid
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Request:
+    """One rollout to generate: its id, the RL step it is for, the prompts' token ids, row n's seed, how to sample,
+    where to cut, and the oldest weight version it may be generated with."""
+
+    request_id: int
+    step: int
+    prompt_ids: list[list[int]]
+    seeds: list[int]
+    sampling: Sampling
+    stop: list[int]
+    min_version: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """A generated rollout: each row's sampled token ids and their log-probs, the weight version that generated
+    them, and when (time.monotonic) its generation started and ended."""
+
+    request_id: int
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    version: int
+    started: float
+    ended: float
+
+
+class EngineProcess:
+    """The trainer's handle on the engine process: start it, push weight versions, submit rollouts, receive them,
+    stop it."""
+
+    def __init__(self, model: torch.nn.Module, rollout: RolloutConfig, cores: set[int]) -> None:
+        self.model, self.rollout, self.cores = model, rollout, cores
+        self.process = None
+        self.group = None  # the gloo group of two that carries the weights
+        self.sending: list[tuple[object, Tensor]] = []  # broadcasts in flight and the buffers they read
+        self.folder = None
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.rollout.overlap.timeout_s)
+
+    def start(self) -> None:
+        """Start the engine process on its cores and join it in the weight group; returns once vLLM is built."""
+        from gspo_lab.rollout.vllm_engine import checkpoint_weights, saved_config
+
+        self.folder = saved_config(self.model)
+        dtype = self.rollout.vllm.dtype or str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        self.layout = Layout.of(list(checkpoint_weights(self.model)))
+        store = TCPStore("127.0.0.1", 0, 2, True, self.timeout, wait_for_workers=False)
+        spec = EngineSpec(self.folder.name, dtype, self.rollout.vllm, tuple(sorted(self.cores)), self.layout,
+                          store.port, os.getpid(), self.rollout.overlap.timeout_s)
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch threads or vLLM state shared
+        self.requests, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=serve, args=(spec, self.requests, self.results),
+                                       name="gspo-vllm-engine")
+        self.process.start()
+        self.receive()  # "ready" once vLLM is built, or the engine's error
+        self.group = ProcessGroupGloo(store, 0, 2, self.timeout)  # the engine joins it right after "ready"
+        self.store = store
+
+    def push(self, version: int) -> None:
+        """Send the model's current weights as `version`: copied into a host buffer now, broadcast in the
+        background; the engine takes them before its next rollout."""
+        from gspo_lab.rollout.vllm_engine import checkpoint_weights
+
+        self.sending = [(work, buffer) for work, buffer in self.sending if not work.is_completed()]
+        with torch.no_grad():
+            buffer = self.layout.pack(list(checkpoint_weights(self.model)))
+        self.requests.put(("weights", version))
+        self.sending.append((self.group.broadcast(buffer, 0), buffer))
+
+    def submit(self, request: Request) -> None:
+        self.requests.put(("generate", request))
+
+    def receive(self) -> Result | None:
+        """The next message from the engine: a `Result`, or None for "ready"; RuntimeError with the engine's
+        traceback if it failed, or if it died or sent nothing for rollout.overlap.timeout_s."""
+        deadline = time.monotonic() + self.rollout.overlap.timeout_s
+        while True:
+            try:
+                kind, payload = self.results.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"rollout.async_mode=overlap: the engine process exited with code "
+                                       f"{self.process.exitcode} without a word") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rollout.async_mode=overlap: the engine process sent nothing for "
+                                       f"rollout.overlap.timeout_s={self.rollout.overlap.timeout_s} s") from None
+        if kind == "error":
+            raise RuntimeError(f"rollout.async_mode=overlap: the engine process failed:\n{payload}")
+        return payload
+
+    def close(self) -> None:
+        """Stop the engine process (after the rollout it is generating) and free the weight group."""
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            self.requests.put(("stop", None))
+            self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.process, self.group, self.sending = None, None, []
+        self.folder.cleanup()
+
+
+def serve(spec: EngineSpec, requests, results) -> None:
+    """The engine process's main: build vLLM on `spec.cores`, join the weight group, then apply weight versions and
+    generate rollouts as `requests` asks, until "stop" or until the trainer process is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops this process after its checkpoint
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        llm = build(spec)
+        results.put(("ready", None))
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        group = ProcessGroupGloo(TCPStore("127.0.0.1", spec.port, 2, False, timeout), 1, 2, timeout)
+        Engine(spec, llm, group, requests, results).run()
+    except BaseException:  # noqa: BLE001 - whatever stops the engine reaches the trainer as its traceback
+        results.put(("error", traceback.format_exc()))
+
+
+def build(spec: EngineSpec):
+    """vLLM's engine on the spec's cores, with dummy weights until the first version."""
+    os.sched_setaffinity(0, spec.cores)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.cores))
+    torch.set_num_threads(len(spec.cores))
+    from gspo_lab.rollout.vllm_engine import engine_arguments, quiet_reloads
+    from gspo_lab.rollout.vllm_setup import environment
+
+    environment()
+    from vllm import LLM
+
+    llm = LLM(**engine_arguments(spec.folder, spec.dtype, "cpu", spec.vllm))
+    quiet_reloads()
+    return llm
+
+
+class Engine:
+    """The engine process's loop: weight versions and rollouts, in the order the rules allow."""
+
+    def __init__(self, spec: EngineSpec, llm, group, requests, results) -> None:
+        self.spec, self.llm, self.group, self.requests, self.results = spec, llm, group, requests, results
+        self.version = -1  # no weights yet: the first rollout waits for version 0 at least
+        self.pending: list[Request] = []
+        self.stopping = False
+
+    def run(self) -> None:
+        """Generate the pending rollout of the earliest step (a dropped step's second request goes before the later
+        steps') once the version held allows it; otherwise wait for the next message."""
+        while not self.stopping:
+            self.drain()
+            first = min(self.pending, key=lambda request: (request.step, request.request_id), default=None)
+            if first is not None and first.min_version <= self.version:
+                self.pending.remove(first)
+                self.generate(first)
+            elif not self.stopping:
+                self.handle(self.next_message())
+
+    def drain(self) -> None:
+        """Handle every message already here: the newest weights before the next rollout."""
+        while True:
+            try:
+                self.handle(self.requests.get_nowait())
+            except queue.Empty:
+                return
+
+    def next_message(self):
+        """Wait for the trainer's next message; stop if the trainer process is gone."""
+        while True:
+            try:
+                return self.requests.get(timeout=POLL_S)
+            except queue.Empty:
+                if os.getppid() != self.spec.parent:
+                    return ("stop", None)
+
+    def handle(self, message) -> None:
+        kind, payload = message
+        if kind == "stop":
+            self.stopping = True
+        elif kind == "weights":
+            self.load(payload)
+        else:
+            self.pending.append(payload)
+
+    def load(self, version: int) -> None:
+        """Receive version `version`'s bytes and reload vLLM's weights in place from them."""
+        from gspo_lab.rollout.vllm_engine import _reload
+
+        buffer = torch.empty(self.spec.layout.nbytes, dtype=torch.uint8)
+        self.group.broadcast(buffer, 0).wait()
+        self.llm.collective_rpc(_reload, args=(iter(self.spec.layout.unpack(buffer)),))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight sync")
+        self.version = version
+
+    def generate(self, request: Request) -> None:
+        from gspo_lab.rollout.vllm_engine import sampled_lists, sampling_params
+
+        started = time.monotonic()
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in request.prompt_ids],
+                                    sampling_params(request.sampling, request.seeds, request.stop), use_tqdm=False)
+        tokens, logprobs = sampled_lists(outputs, True)
+        self.results.put(("rollout", Result(request.request_id, tokens, logprobs, self.version, started,
+                                            time.monotonic())))
