@@ -69,6 +69,21 @@ def split_cores(engine_cores: list[int] | None, available: set[int] | None = Non
     return engine, available - engine
 
 
+def overlap_share(busy: list[tuple[float, float]], waits: list[tuple[float, float]], since: float, now: float
+                  ) -> float:
+    """The share of [since, now] in which the engine generated (`busy` intervals) while the trainer did not wait
+    (`waits`, within the window, disjoint).
+
+    >>> overlap_share(busy=[(0.0, 4.0), (5.0, 9.0)], waits=[(8.0, 9.0)], since=2.0, now=10.0)  # (2 + 4 - 1) / 8
+    0.625
+    """
+    overlap = 0.0
+    for start, end in busy:
+        overlap += max(0.0, min(end, now) - max(start, since))
+        overlap -= sum(max(0.0, min(end, w1) - max(start, w0)) for w0, w1 in waits)
+    return min(max(overlap / (now - since), 0.0), 1.0) if now > since else 0.0
+
+
 def pin_process(cores: set[int]) -> None:
     """Every thread of this process on `cores` (sched_setaffinity sets one thread's; torch's thread pool already
     runs)."""
@@ -176,15 +191,10 @@ class OverlapRollouts:
         the first step)."""
         now = time.monotonic()
         waited = sum(end - start for start, end in self.waits)
-        overlap = 0.0
-        if self.last_taken is not None:
-            for start, end in self.busy:
-                overlap += max(0.0, min(end, now) - max(start, self.last_taken))
-                overlap -= sum(max(0.0, min(end, w1) - max(start, w0)) for w0, w1 in self.waits)
-        frac = overlap / (now - self.last_taken) if self.last_taken is not None and now > self.last_taken else 0.0
+        frac = 0.0 if self.last_taken is None else overlap_share(self.busy, self.waits, self.last_taken, now)
         self.last_taken, self.waits, self.busy = now, [], []
         return {"time/wait_s": waited, "time/generate_s": result.ended - result.started,
-                "off_policy/overlap_frac": min(max(frac, 0.0), 1.0)}
+                "off_policy/overlap_frac": frac}
 
     def completions(self, request: Request, result: Result) -> Generated:
         from gspo_lab.rollout.vllm_engine import assemble

@@ -194,7 +194,7 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        self.process, self.group, self.sending = None, None, []
+        self.process, self.group, self.store, self.sending = None, None, None, []
         self.folder.cleanup()
 
 
@@ -235,6 +235,7 @@ class Engine:
     def __init__(self, spec: EngineSpec, llm, group, requests, results) -> None:
         self.spec, self.llm, self.group, self.requests, self.results = spec, llm, group, requests, results
         self.version = -1  # no weights yet: the first rollout waits for version 0 at least
+        self.buffer = torch.empty(spec.layout.nbytes, dtype=torch.uint8)  # each version's bytes, received in turn
         self.pending: list[Request] = []
         self.stopping = False
 
@@ -280,9 +281,8 @@ class Engine:
         """Receive version `version`'s bytes and reload vLLM's weights in place from them."""
         from gspo_lab.rollout.vllm_engine import _reload
 
-        buffer = torch.empty(self.spec.layout.nbytes, dtype=torch.uint8)
-        self.group.broadcast(buffer, 0).wait()
-        self.llm.collective_rpc(_reload, args=(iter(self.spec.layout.unpack(buffer)),))
+        self.group.broadcast(self.buffer, 0).wait()
+        self.llm.collective_rpc(_reload, args=(iter(self.spec.layout.unpack(self.buffer)),))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after a weight sync")
         self.version = version
