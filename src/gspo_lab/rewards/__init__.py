@@ -7,6 +7,7 @@
       functions:
         - {_target_: gspo_lab.rewards.math_accuracy, weight: 1.0}
         - {_target_: my_project.rewards.short_answer, weight: 0.2, max_words: 50}   # a user's TRL function
+        - /path/to/reward_model      # TRL's form: a sequence-classification model (gspo_lab.rewards.reward_model)
       num_workers: 2
       timeout_s: 10.0
 """
@@ -40,11 +41,12 @@ from gspo_lab.rewards.functions import (
     soft_overlong_punishment,
     think_format,
 )
+from gspo_lab.rewards.reward_model import RewardModel
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "GradingPool", "RewardContractError", "RewardFunction", "Scores", "TaskReward", "WeightedRewards",
+    "GradingPool", "RewardContractError", "RewardFunction", "RewardModel", "Scores", "TaskReward", "WeightedRewards",
     "boxed_match", "build_rewards", "check_signature", "environment_reward", "exact_match", "math_accuracy",
     "may_hang", "numeric_match", "reward_name", "soft_overlong_punishment", "think_format", "unwrapped",
 ]
@@ -65,6 +67,9 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero") -> Weigh
     items = cfg.get("functions") or []
     if not isinstance(items, list) or not items:
         raise ValueError(f"reward.functions={items!r} must be a non-empty list of {{_target_: ..., weight: ...}}")
+    # TRL's form: a model path or id in the reward list is a reward model (AutoModelForSequenceClassification)
+    items = [{"_target_": "gspo_lab.rewards.RewardModel", "path": item} if isinstance(item, str) else item
+             for item in items]
     columns = None if task is None else task.columns()
     functions = [_function(dict(item), task, columns, f"reward.functions[{i}]") for i, item in enumerate(items)]
     num_workers, timeout_s = cfg.get("num_workers", 0), cfg.get("timeout_s", 10.0)
@@ -100,6 +105,8 @@ def _function(item: dict, task, columns: list[str] | None, where: str) -> Reward
         raise ValueError(f"{where}._target_={target!r} is not callable")
     if inspect.isclass(obj) and "task" in _parameters(obj):
         item.setdefault("task", task)
+    if inspect.isclass(obj) and "key" in _parameters(obj):  # a class that names its own settings in its errors
+        item.setdefault("key", where)
     _check_settings(obj, item, target, where)
     if inspect.isclass(obj):
         fn = obj(**item)

@@ -1,0 +1,103 @@
+"""reward=reward_model (gspo_lab.rewards.reward_model): a sequence-classification model's score with TRL's contract,
+in batches, on a tiny reward model saved here; the refusals; TRL's form (a path in the reward list); a run trains
+on it."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, Qwen3Config, Qwen3ForSequenceClassification
+
+from gspo_lab.models.tokenizer import char_tokenizer
+from gspo_lab.rewards import RewardModel, build_rewards
+from gspo_lab.train import build
+
+PROMPTS = ["12+34=", "5+6=", "70+8=", "9+90=", "1+1="]
+COMPLETIONS = ["46", "11", "7", "99 and more", "2"]
+
+
+def save_reward_model(folder, num_labels: int = 1):
+    """A one-layer Qwen3 classifier over the char vocabulary, random weights (seed 0), saved with its tokenizer."""
+    tokenizer = char_tokenizer()
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_labels=num_labels,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen3ForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+    return save_reward_model(tmp_path_factory.mktemp("reward_model"))
+
+
+def test_scores_are_the_models_own_in_batches_whatever_the_batch_size(reward_model_dir):
+    """Each score is the model's logit for the text alone (prompt + completion, no special tokens); batches of 2
+    (right-padded, the model pools each row's last real token) give the same to float32 rounding, in
+    ceil(5 / 2) = 3 forwards."""
+    scorer = RewardModel(str(reward_model_dir), batch_size=2)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    alone = []
+    for prompt, completion in zip(PROMPTS, COMPLETIONS):
+        ids = scorer.tokenizer(prompt + completion, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            alone.append(model(**ids).logits[0, 0].item())
+    calls = []
+    scorer.model.register_forward_hook(lambda module, args, output: calls.append(1))
+    scores = scorer(PROMPTS, COMPLETIONS)
+    assert len(calls) == 3 and len(set(scores)) == 5
+    assert scores == pytest.approx(alone, abs=1e-5)
+
+
+def test_max_length_keeps_the_end_of_a_long_input(reward_model_dir):
+    """max_length=4 reads the last 4 characters: "9+90=99 and more" scores as " more" does, minus its first."""
+    short = RewardModel(str(reward_model_dir), max_length=4)
+    assert short(["9+90="], ["99 and more"]) == pytest.approx(short([""], ["more"]), abs=1e-5)
+
+
+def test_offload_returns_the_model_to_the_host_between_calls(reward_model_dir):
+    scorer = RewardModel(str(reward_model_dir), offload=True, device="cpu")
+    assert scorer(PROMPTS[:1], COMPLETIONS[:1]) and next(scorer.model.parameters()).device.type == "cpu"
+
+
+def test_what_is_not_a_reward_model_is_refused_naming_the_key(reward_model_dir, tmp_path):
+    two = save_reward_model(tmp_path / "two", num_labels=2)
+    for cfg, message in (
+        ({"functions": [{"_target_": "gspo_lab.rewards.RewardModel", "path": str(two)}]},
+         r"reward.functions\[0\].path=.*its head has 2 labels"),
+        ({"functions": [{"_target_": "gspo_lab.rewards.RewardModel", "path": str(tmp_path / "none")}]},
+         r"reward.functions\[0\].path=.*no reward model there"),
+        ({"functions": [{"_target_": "gspo_lab.rewards.RewardModel", "path": str(reward_model_dir),
+                         "batch_size": 0}]}, r"reward.functions\[0\].batch_size=0 is invalid"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            build_rewards(cfg, None)
+    scorer = RewardModel(str(reward_model_dir))  # the char tokenizer has no chat template
+    with pytest.raises(ValueError, match="the prompts are conversations.*has no chat template"):
+        scorer([[{"role": "user", "content": "1+1="}]], [[{"role": "assistant", "content": "2"}]])
+
+
+def test_a_path_in_the_reward_list_is_a_reward_model_as_in_trl(reward_model_dir):
+    rewards = build_rewards({"functions": [str(reward_model_dir)]}, None)
+    (function,) = rewards.functions
+    assert isinstance(function.fn, RewardModel) and function.weight == 1.0
+    assert function.fn(PROMPTS, COMPLETIONS) == pytest.approx(RewardModel(str(reward_model_dir))(PROMPTS, COMPLETIONS))
+
+
+def test_a_run_trains_on_the_reward_models_scores(compose, rl_overrides, reward_model_dir, updated_batches):
+    """reward=reward_model: the step's rewards are the model's scores of its completions (their mean is
+    reward/mean), and the updates move the policy."""
+    run, module, _ = build(compose(rl_overrides + ["reward=reward_model",
+                                                   f"reward.functions.0.path={reward_model_dir}",
+                                                   "train.steps=1", "train.eval_every=0"]))
+    before = [p.detach().clone() for p in module.model.parameters()]
+    run.trainer.fit(module)
+    batch = updated_batches[0]
+    texts = module.tokenizer.batch_decode(batch.input_ids, skip_special_tokens=True)
+    scorer = RewardModel(str(reward_model_dir))
+    scores = scorer(texts, [""] * len(texts))
+    assert batch.rewards.tolist() == pytest.approx(scores, abs=1e-4)
+    assert math.isclose(module.history[0]["reward/mean"], sum(scores) / len(scores), abs_tol=1e-4)
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
