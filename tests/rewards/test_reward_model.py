@@ -99,5 +99,39 @@ def test_a_run_trains_on_the_reward_models_scores(compose, rl_overrides, reward_
     scorer = RewardModel(str(reward_model_dir))
     scores = scorer(texts, [""] * len(texts))
     assert batch.rewards.tolist() == pytest.approx(scores, abs=1e-4)
+    # one call for the round's 16 completions: ceil(16 / 32) = 1 forward, never one per completion
+    function = module.rewards.functions[0].fn
+    calls = []
+    function.model.register_forward_hook(lambda *_: calls.append(1))
+    module.rewards.score(texts, [""] * len(texts), [[0]] * len(texts), {})
+    assert len(calls) == 1
     assert math.isclose(module.history[0]["reward/mean"], sum(scores) / len(scores), abs_tol=1e-4)
     assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
+
+
+def test_a_batched_function_is_called_once_and_held_to_one_reward_per_completion():
+    """`batched` (as RewardModel is): one call with all completions; a list of the wrong length stops the run, and
+    an exception costs every completion of the call (each scored 0, each counted)."""
+    from gspo_lab.rewards import RewardContractError, RewardFunction, WeightedRewards
+
+    seen = []
+
+    def lengths(prompts, completions, **kwargs):
+        seen.append(len(completions))
+        return [float(len(c)) for c in completions]
+
+    def short(prompts, completions, **kwargs):
+        return [1.0]
+
+    def broken(prompts, completions, **kwargs):
+        raise RuntimeError("no device")
+
+    for fn in (lengths, short, broken):
+        fn.batched = True
+    scores = WeightedRewards([RewardFunction(lengths)]).score(PROMPTS, COMPLETIONS, [[1]] * 5, {})
+    assert seen == [5] and scores.total.tolist() == [2.0, 2.0, 1.0, 11.0, 1.0]
+    with pytest.raises(RewardContractError, match=r"short returned list of length 1 for 5 completions"):
+        WeightedRewards([RewardFunction(short)]).score(PROMPTS, COMPLETIONS, [[1]] * 5, {})
+    rewards = WeightedRewards([RewardFunction(broken)])
+    assert rewards.score(PROMPTS, COMPLETIONS, [[1]] * 5, {}).total.tolist() == [0.0] * 5
+    assert rewards.errors == {"broken": 5}

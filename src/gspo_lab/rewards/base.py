@@ -58,6 +58,11 @@ def reward_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def is_batched(fn: Callable) -> bool:
+    """Whether a reward function asks to be called once with all the completions (`batched`: a reward model)."""
+    return bool(getattr(unwrapped(fn), "batched", False))
+
+
 def check_signature(fn: Callable, where: str) -> None:
     """A reward function must take `**kwargs`: every data column reaches it as a keyword (TRL's contract)."""
     try:
@@ -105,7 +110,9 @@ class Scores:
 class WeightedRewards:
     """A list of weighted reward functions, each called once per completion (lists of length 1), so an error or
     a timeout costs that function that completion only. `runner(calls)` runs the calls, by default in this
-    process (`call_inline`); gspo_lab.grading.GradingPool runs them in worker processes with a timeout.
+    process (`call_inline`); gspo_lab.grading.GradingPool runs them in worker processes with a timeout. A function
+    marked `batched` (a reward model, gspo_lab.rewards.reward_model) is called once with all the completions, in
+    this process: its error or timeout costs it all of them.
 
     Counts of errors and timeouts are running totals (saved in checkpoints through `state_dict`)."""
 
@@ -136,11 +143,19 @@ class WeightedRewards:
         for key, values in columns.items():
             if len(values) != n:
                 raise ValueError(f"column {key!r} has {len(values)} entries for {n} completions")
-        calls = [(f.fn, (), {"prompts": [prompts[i]], "completions": [completions[i]],
-                              "completion_ids": [completion_ids[i]],
-                              **{key: [values[i]] for key, values in columns.items()}})
-                 for f in self.functions for i in range(n)]
-        outcomes = self.runner(calls) if self.runner is not None else [call_inline(*call) for call in calls]
+        def arguments(rows: Sequence[int]) -> dict:
+            return {"prompts": [prompts[i] for i in rows], "completions": [completions[i] for i in rows],
+                    "completion_ids": [completion_ids[i] for i in rows],
+                    **{key: [values[i] for i in rows] for key, values in columns.items()}}
+
+        calls = [(f.fn, (), arguments([i])) for f in self.functions if not is_batched(f.fn) for i in range(n)]
+        done = iter(self.runner(calls) if self.runner is not None else [call_inline(*call) for call in calls])
+        outcomes = []
+        for f in self.functions:
+            if is_batched(f.fn):
+                outcomes += self._split(f, call_inline(f.fn, (), arguments(range(n))), n, where)
+            else:
+                outcomes += [next(done) for _ in range(n)]
         per_function, metrics = {}, {}
         for k, f in enumerate(self.functions):
             rewards = [self._value(f, outcomes[k * n + i], i, prompts, completions, where) for i in range(n)]
@@ -157,6 +172,18 @@ class WeightedRewards:
         metrics["reward/errors"] = float(sum(self.errors.values()))
         metrics["reward/timeouts"] = float(sum(self.timeouts.values()))
         return Scores(total, ~stacked.isnan().all(0), per_function, metrics)
+
+    @staticmethod
+    def _split(f: RewardFunction, outcome: Outcome, n: int, where: Callable[[int], str]) -> list[Outcome]:
+        """A batched function's one outcome for `n` completions as one per completion."""
+        if outcome.failure is not None:
+            return [outcome] * n
+        value = outcome.value.tolist() if isinstance(outcome.value, Tensor) else outcome.value
+        if not isinstance(value, (list, tuple)) or len(value) != n:
+            got = f"{type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else repr(value)
+            raise RewardContractError(f"reward function {f.name} returned {got} for {n} completions ({where(0)} and "
+                                      "on); it must return a list with one float or None per completion")
+        return [Outcome([item]) for item in value]
 
     def _value(self, f: RewardFunction, outcome: Outcome, i: int, prompts, completions, where) -> float | None:
         if outcome.failure is None:

@@ -28,7 +28,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class RewardModel:
-    """A reward function backed by a sequence-classification model with one label (`__call__`: TRL's contract)."""
+    """A reward function backed by a sequence-classification model with one label (`__call__`: TRL's contract).
+    `batched`: gspo_lab.rewards.WeightedRewards calls it once with all of a round's completions."""
+
+    batched = True
 
     def __init__(self, path: str, tokenizer: str | None = None, batch_size: int = 32, max_length: int | None = None,
                  dtype: str = "float32", device: str | None = None, offload: bool = False,
