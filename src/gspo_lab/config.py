@@ -330,6 +330,9 @@ class TrainConfig:
             in bfloat16. A vLLM engine computes its head in rollout.vllm.dtype (a warning says so).
         on_reward_error: "zero" scores a completion whose reward function raised 0 (reported and counted
             in reward/errors); "raise" stops the run.
+        kl_to_initial: log kl/to_initial every step, the KL from the initial policy (the cold start) measured on the
+            rollout's tokens (one no-grad forward of a frozen copy of it, which objective.beta > 0 has anyway);
+            null: where a reward function is learned (a reward model), whose over-optimisation is read against it.
     """
 
     steps: int = 200
@@ -346,10 +349,13 @@ class TrainConfig:
     max_consecutive_skips: int = 5
     lm_head_fp32: bool = False
     on_reward_error: str = "zero"
+    kl_to_initial: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.on_reward_error in ("zero", "raise"), "train.on_reward_error", self.on_reward_error,
                  "must be one of ['zero', 'raise']")
+        _require(self.kl_to_initial in (None, True, False), "train.kl_to_initial", self.kl_to_initial,
+                 "must be null, true or false")
         for key in ("steps", "minibatches", "ckpt_every", "logprob_chunk_rows", "logprob_chunk_tokens",
                     "max_consecutive_skips"):
             _positive_int(f"train.{key}", getattr(self, key))

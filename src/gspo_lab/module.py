@@ -35,7 +35,8 @@ from gspo_lab.models.lm_head import fp32_lm_head
 from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.objectives import AdvantageEstimator, Objective
 from gspo_lab.prompts import PromptFormat
-from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards
+from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards, unwrapped
+from gspo_lab.rewards.base import is_batched
 from gspo_lab.rollout import PromptSchedule, StepTicks
 from gspo_lab.rollout.backend import build_backend
 from gspo_lab.rollout.multi_turn import MultiTurn
@@ -105,7 +106,10 @@ class RLModule(L.LightningModule):
         # LoRA the same model with its adapters disabled
         self.lora = lora
         kl_penalty = getattr(objective, "beta", 0.0) > 0
-        self.reference = frozen_copy(model) if kl_penalty and lora is None else None
+        self.rewards = rewards or WeightedRewards([RewardFunction(TaskReward(task))], on_error=train.on_reward_error)
+        learned = any(is_batched(f.fn) for f in self.rewards.functions)  # a reward model: over-optimisation to watch
+        kl_to_initial = learned if train.kl_to_initial is None else train.kl_to_initial
+        self.reference = frozen_copy(model) if (kl_penalty or kl_to_initial) and lora is None else None
         self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
         self.routing = RoutingReplay(model, routing.replay, diagnostics_rows=routing.diagnostics_rows)
         self.engine = build_backend(model, rollout)  # hf: the trainer's model itself unless configured
@@ -126,13 +130,13 @@ class RLModule(L.LightningModule):
                                                    agent_of)
         self.rl_step = 0  # RL steps completed; saved in checkpoints
         self.history: list[dict[str, float]] = []  # every logged row (rank 0's view), saved in checkpoints
-        self.rewards = rewards or WeightedRewards([RewardFunction(TaskReward(task))], on_error=train.on_reward_error)
         # the step's parts (gspo_lab.step)
         self.policy = PolicyForwards(model, self.reference, lora, self.routing, rollout, train)
         self.probe = MismatchProbe(self.routing, self.policy, train.minibatches, routing.diagnostics_every)
         self.collector = RolloutCollector(self.engine, self.policy, self.probe, self.routing, prompts, self.render,
                                           tokenizer, self.rewards, advantage, rollout, train.shuffle_rewards,
-                                          kl_penalty, agent_of(task), self.lag, self.rescorer, self.overlap)
+                                          kl_penalty, agent_of(task), self.lag, self.rescorer, self.overlap,
+                                          gold_reward(task, self.rewards) if learned else None, kl_to_initial)
         self.updater = Updater(model, objective, self.policy, self.routing, self.probe, train,
                                backward=self.manual_backward, save_last=self.save_last_checkpoint)
 
@@ -307,6 +311,14 @@ class RLModule(L.LightningModule):
         for name, key in shown.items():
             if key in metrics:
                 self.log(name, metrics[key], prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+
+def gold_reward(task: Task, rewards: WeightedRewards) -> WeightedRewards | None:
+    """The task's own checker as reward/gold, beside rewards that do not include it (a reward model's proxy), graded
+    as they are (their pool, if any); None where they include it."""
+    if any(isinstance(unwrapped(f.fn), TaskReward) for f in rewards.functions):
+        return None
+    return WeightedRewards([RewardFunction(TaskReward(task), name="gold")], rewards.runner)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

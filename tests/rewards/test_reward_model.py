@@ -109,6 +109,22 @@ def test_a_run_trains_on_the_reward_models_scores(compose, rl_overrides, reward_
     assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
 
 
+def test_a_learned_reward_logs_the_gold_reward_and_the_kl_from_the_initial_policy(compose, rl_overrides,
+                                                                                  reward_model_dir, tmp_path):
+    """reward/gold is the task's checker on the same completions: step 0 samples alike whatever the reward (same
+    seed, same initial policy), so it equals reward/mean of a run trained on the checker. kl/to_initial is 0 before
+    any update (the policy is the initial one, to float rounding) and grows after it; β = 0 throughout."""
+    run, proxy, _ = build(compose(rl_overrides + ["reward=reward_model", f"reward.functions.0.path={reward_model_dir}",
+                                                  "train.steps=2", "train.eval_every=0", "objective.beta=0"]))
+    run.trainer.fit(proxy)
+    run, gold, _ = build(compose(rl_overrides + ["train.steps=1", "train.eval_every=0", "objective.beta=0",
+                                                 f"paths.output_dir={tmp_path / 'gold'}"]))
+    run.trainer.fit(gold)
+    assert proxy.history[0]["reward/gold"] == gold.history[0]["reward/mean"]
+    assert "reward/gold" not in gold.history[0] and "kl/to_initial" not in gold.history[0]
+    assert abs(proxy.history[0]["kl/to_initial"]) < 1e-4 and proxy.history[1]["kl/to_initial"] > 1e-3
+
+
 def test_a_batched_function_is_called_once_and_held_to_one_reward_per_completion():
     """`batched` (as RewardModel is): one call with all completions; a list of the wrong length stops the run, and
     an exception costs every completion of the call (each scored 0, each counted)."""

@@ -52,7 +52,8 @@ class RolloutCollector:
                  rewards: WeightedRewards, advantage: AdvantageEstimator, rollout: RolloutConfig,
                  shuffle_rewards: bool, kl_penalty: bool, agent: MultiTurn | None = None,
                  lag: LaggedWeights | None = None, rescorer: Rescorer | None = None,
-                 overlap: OverlapRollouts | None = None) -> None:
+                 overlap: OverlapRollouts | None = None, gold: WeightedRewards | None = None,
+                 kl_to_initial: bool = False) -> None:
         self.backend, self.policy, self.probe, self.routing = backend, policy, probe, routing
         self.prompts, self.render, self.tokenizer = prompts, render, tokenizer
         self.rewards, self.advantage, self.rollout_cfg = rewards, advantage, rollout
@@ -62,6 +63,8 @@ class RolloutCollector:
         self.rescorer = rescorer  # rollout.rescore: a second engine's scores replace the engine's log-probs, or None
         self.overlap = overlap  # async_mode=overlap: the engine process generating ahead, or None
         self.version: int | None = None  # the weight version of the last rollout (stale rollouts only)
+        self.gold = gold  # the task's checker beside a learned reward (reward/gold), or None
+        self.kl_to_initial = kl_to_initial  # log kl/to_initial (the reference policy is the initial one)
 
     def collect(self, step: int, ranks: Ranks) -> Rollout:
         """This rank's rollout batch for RL step `step`, and its metrics."""
@@ -84,10 +87,14 @@ class RolloutCollector:
         if batch.old_logp is None:
             batch.old_logp, batch.routing_trace = self.policy.old_logprobs(batch)
         metrics["time/old_logprobs_s"] = time.perf_counter() - started
-        if self.kl_penalty:
+        if self.kl_penalty or self.kl_to_initial:
             started = time.perf_counter()
-            batch.ref_logp = self.policy.reference_logprobs(batch)
+            ref_logp = self.policy.reference_logprobs(batch)  # [B, C]
             metrics["time/ref_logprobs_s"] = time.perf_counter() - started
+            if self.kl_penalty:
+                batch.ref_logp = ref_logp
+            if self.kl_to_initial:
+                metrics["kl/to_initial"] = sequence_kl(batch.old_logp, ref_logp, batch.policy_mask).item()
         metrics["rollout/completions"] = float(len(batch.rewards))  # this rank's; the mean over ranks is logged
         metrics["rollout/width"] = float(batch.input_ids.shape[1])  # padded prompt + completion positions per row
         return Rollout(batch, metrics)
@@ -135,6 +142,9 @@ class RolloutCollector:
         metrics.update({k: v for k, v in scores.metrics.items()
                         if sampling_round == 0 or k.endswith(("errors", "timeouts"))})
         rewards, applies, components = scores.total, scores.applies, scores.components
+        if self.gold is not None and sampling_round == 0:  # the verifier's reward, which does not train
+            gold = self.gold.score(*reward_inputs(grouped, generated.completions, generated.extra)).total
+            metrics["reward/gold"] = gold.mean().item()
         if "lost" in generated.extra:  # a tool worker died with the row's environment: the row is not trained on
             applies = applies & (generated.extra["lost"] == 0)
             if sampling_round == 0:
@@ -219,6 +229,18 @@ def sample_metrics(rewards: torch.Tensor, completions: Completions, group_size: 
         "completion/len_mean": completions.policy_mask.sum(-1).float().mean().item(),  # the model's tokens
         "completion/truncated_frac": completions.truncated.float().mean().item(),
     }
+
+
+def sequence_kl(old_logp: torch.Tensor, initial_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(π || π_initial) per sequence, estimated on the rollout's samples (k1: Σ_t log π_old − log π_initial over
+    each completion's model tokens), averaged over the batch: the KL of Gao et al.'s over-optimisation laws (in
+    nats; their d is its square root). old_logp, initial_logp, mask [B, C].
+
+    >>> sequence_kl(torch.tensor([[-1.0, -2.0], [-0.5, 0.0]]), torch.tensor([[-1.5, -2.0], [-1.0, -9.0]]),
+    ...             torch.tensor([[1, 1], [1, 0]]))
+    tensor(0.5000)
+    """
+    return ((old_logp - initial_logp) * mask).sum(-1).mean()
 
 
 def staleness_metrics(versions: torch.Tensor, step: int, max_staleness: int) -> dict[str, float]:
