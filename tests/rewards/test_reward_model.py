@@ -151,3 +151,24 @@ def test_a_batched_function_is_called_once_and_held_to_one_reward_per_completion
     rewards = WeightedRewards([RewardFunction(broken)])
     assert rewards.score(PROMPTS, COMPLETIONS, [[1]] * 5, {}).total.tolist() == [0.0] * 5
     assert rewards.errors == {"broken": 5}
+
+
+def test_the_scripts_reward_model_comes_from_the_verifiers_pairs_and_trains_a_run(compose, rl_overrides, fast_rl,
+                                                                                     tmp_path):
+    """scripts/train_reward_model.py on the fast run's cold start (TRL's RewardTrainer): the pairs come from the
+    checker, the flipped share is as asked, the saved folder loads as reward=reward_model and a run trains on it."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "rm"
+    result = subprocess.run([sys.executable, "scripts/train_reward_model.py", "--out", str(out), "--prompts", "48",
+                             "--epochs", "3", "--flip", "0.25", *fast_rl], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["train_pairs"] > 20 and stats["held_out_pairs"] > 5
+    assert 0.1 < stats["flipped_pairs"] / stats["train_pairs"] < 0.4
+    run, module, _ = build(compose(rl_overrides + ["reward=reward_model", f"reward.functions.0.path={out}",
+                                                   "train.steps=1", "train.eval_every=0"]))
+    run.trainer.fit(module)
+    assert module.history[0]["reward/gold"] >= 0 and math.isfinite(module.history[0]["reward/mean"])
