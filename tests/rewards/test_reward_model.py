@@ -154,7 +154,7 @@ def test_a_batched_function_is_called_once_and_held_to_one_reward_per_completion
 
 
 def test_the_scripts_reward_model_comes_from_the_verifiers_pairs_and_trains_a_run(compose, rl_overrides, fast_rl,
-                                                                                     tmp_path):
+                                                                                   tmp_path):
     """scripts/train_reward_model.py on the fast run's cold start (TRL's RewardTrainer): the pairs come from the
     checker, the flipped share is as asked, the saved folder loads as reward=reward_model and a run trains on it."""
     import json
