@@ -41,12 +41,13 @@ from gspo_lab.rewards.functions import (
     soft_overlong_punishment,
     think_format,
 )
+from gspo_lab.rewards.judge import Judge
 from gspo_lab.rewards.reward_model import RewardModel
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "GradingPool", "RewardContractError", "RewardFunction", "RewardModel", "Scores", "TaskReward", "WeightedRewards",
+    "GradingPool", "Judge", "RewardContractError", "RewardFunction", "RewardModel", "Scores", "TaskReward", "WeightedRewards",
     "boxed_match", "build_rewards", "check_signature", "environment_reward", "exact_match", "math_accuracy",
     "may_hang", "numeric_match", "reward_name", "soft_overlong_punishment", "think_format", "unwrapped",
 ]

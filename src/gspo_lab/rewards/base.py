@@ -166,6 +166,9 @@ class WeightedRewards:
             metrics[f"reward/{f.name}/std"] = applied.std(unbiased=False).item() if len(applied) else math.nan
             metrics[f"reward/{f.name}/errors"] = float(self.errors[f.name])
             metrics[f"reward/{f.name}/timeouts"] = float(self.timeouts[f.name])
+            own = getattr(unwrapped(f.fn), "metrics", None)  # a function's counts of its own (a judge's failures)
+            if callable(own):
+                metrics.update({f"reward/{f.name}/{key}": value for key, value in own().items()})
         stacked = torch.stack(list(per_function.values())) if per_function else torch.full((1, n), math.nan)  # [F, N]
         weights = torch.tensor([f.weight for f in self.functions] or [0.0])[:, None]  # [F, 1]
         total = (stacked * weights).nansum(0)  # [N]; a function that did not apply adds nothing

@@ -1,0 +1,146 @@
+"""An LLM judge: a causal LM grades each (prompt, completion) with a rubric, as a reward function with TRL's contract.
+
+    reward=judge reward.functions.0.path=/path/to/judge            # a save_pretrained causal LM and its tokenizer
+
+The rubric is a text with `{prompt}` and `{completion}` in it, rendered through the judge's chat template when its
+tokenizer has one (one user message), else as it is. The score comes from one of two places (`mode`):
+
+- `logprob` (the default): no text is generated; the judge's next-token distribution after the rubric gives
+  P(yes) / (P(yes) + P(no)) over the first token of each verdict in `verdicts` (its keys: the "yes" word first,
+  then the "no" word), a score in [0, 1] that cannot fail to parse;
+- `output`: the judge answers greedily (up to `max_new_tokens`), and its answer is read strictly: the verdict
+  words of `verdicts` (each maps to its score), or, with no verdicts, one number in [`low`, `high`]. An answer that
+  is neither is a grading failure: the completion gets None (no reward: it takes no part in its group's baseline,
+  and its advantage is 0), and the judge counts it in `failures`, logged as reward/<name>/parse_failures. Never a
+  silent 0.
+
+Both score in batches of `batch_size` under inference mode, once per round (`batched`), on `device` (null: the GPU
+where there is one), the model going back to the host between calls under `offload`. Served by transformers in
+the training process; a vLLM engine of its own is not built yet.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from gspo_lab.grading.answers import text_of
+from gspo_lab.rewards.reward_model import DTYPES
+
+NUMBER = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*\.?\s*$")  # the whole answer is one number
+RUBRIC = ("Question: {prompt}\nAnswer: {completion}\nIs the answer correct? Reply yes or no.\nVerdict:")
+
+
+class Judge:
+    """A reward function backed by a causal LM that grades with `rubric` (`__call__`: TRL's contract)."""
+
+    batched = True
+
+    def __init__(self, path: str, rubric: str = RUBRIC, mode: str = "logprob",
+                 verdicts: dict[str, float] | None = None, low: float = 0.0, high: float = 10.0,
+                 max_new_tokens: int = 8, batch_size: int = 16, dtype: str = "float32", device: str | None = None,
+                 offload: bool = False, key: str = "reward.functions[i]") -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        verdicts = {" yes": 1.0, " no": 0.0} if verdicts is None and mode == "logprob" else dict(verdicts or {})
+        if mode not in ("logprob", "output"):
+            raise ValueError(f"{key}.mode={mode!r} is invalid: must be logprob or output")
+        if "{prompt}" not in rubric or "{completion}" not in rubric:
+            raise ValueError(f"{key}.rubric={rubric!r} is invalid: it must hold {{prompt}} and {{completion}}")
+        if mode == "logprob" and len(verdicts) != 2:
+            raise ValueError(f"{key}.verdicts={verdicts!r} is invalid: mode=logprob compares two verdicts, the "
+                             "'yes' word first")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"{key}.batch_size={batch_size!r} is invalid: must be an integer >= 1")
+        if dtype not in DTYPES:
+            raise ValueError(f"{key}.dtype={dtype!r} is invalid: must be one of {list(DTYPES)}")
+        self.rubric, self.mode, self.verdicts, self.low, self.high = rubric, mode, verdicts, low, high
+        self.max_new_tokens, self.batch_size, self.offload, self.key = max_new_tokens, batch_size, offload, key
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.__name__ = Path(str(path)).name or str(path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{key}.path={str(path)!r}: no causal LM there (a save_pretrained folder with its "
+                             f"tokenizer, or a hub id in the local cache): {error}") from None
+        self.model.requires_grad_(False)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.verdict_ids = [self.first_token(word) for word in verdicts] if mode == "logprob" else []
+        if mode == "logprob" and len(set(self.verdict_ids)) != 2:
+            raise ValueError(f"{key}.verdicts={verdicts!r}: both start with the same token "
+                             f"({self.verdict_ids[0]}), so their odds cannot be told apart; pick other words")
+        self.failures = 0  # answers that were neither a verdict nor a number in range (mode=output)
+        self.model.to("cpu" if offload else self.device)
+
+    def first_token(self, word: str) -> int:
+        ids = self.tokenizer(word, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"{self.key}.verdicts: {word!r} tokenizes to nothing")
+        return ids[0]
+
+    def grading_prompt(self, prompt, completion) -> str:
+        """The rubric filled in, through the judge's chat template where it has one."""
+        text = self.rubric.format(prompt=text_of(prompt) if isinstance(prompt, list) else prompt,
+                                  completion=text_of(completion))
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+        return text
+
+    def parse(self, answer: str) -> float | None:
+        """An answer's score, strictly: a verdict word (the whole answer, stripped, case-insensitive), or with no
+        verdicts one number in [low, high]; None where it is neither.
+
+        >>> judge = Judge.__new__(Judge)
+        >>> judge.verdicts, judge.low, judge.high = {"yes": 1.0, "no": 0.0}, 0, 10
+        >>> judge.parse(" Yes "), judge.parse("no."), judge.parse("yes, mostly")
+        (1.0, 0.0, None)
+        >>> judge.verdicts = {}
+        >>> judge.parse("7"), judge.parse("7.5."), judge.parse("11"), judge.parse("about 7")
+        (7.0, 7.5, None, None)
+        """
+        answer = answer.strip()
+        if self.verdicts:
+            words = {word.strip().lower(): score for word, score in self.verdicts.items()}
+            return words.get(answer.lower().rstrip("."))
+        match = NUMBER.match(answer)
+        value = float(match.group(1)) if match else None
+        return value if value is not None and self.low <= value <= self.high else None
+
+    @torch.inference_mode()
+    def __call__(self, prompts, completions, **kwargs) -> list[float | None]:
+        """Each completion's grade, in batches of `batch_size`."""
+        texts = [self.grading_prompt(p, c) for p, c in zip(prompts, completions)]
+        self.model.to(self.device)
+        grades = []
+        for start in range(0, len(texts), self.batch_size):
+            inputs = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True,
+                                    padding_side="left", add_special_tokens=False).to(self.device)
+            grades += self.verdict_odds(inputs) if self.mode == "logprob" else self.answers(inputs)
+        if self.offload:
+            self.model.to("cpu")
+        return grades
+
+    def verdict_odds(self, inputs) -> list[float]:
+        """P(yes) / (P(yes) + P(no)) of the next token after each (left-padded) grading prompt."""
+        positions = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding: each row from 0
+        logits = self.model(**inputs, position_ids=positions).logits[:, -1].float()  # [b, V]
+        pair = logits[:, self.verdict_ids].log_softmax(-1)  # [b, 2]: renormalised over the two verdicts
+        return pair[:, 0].exp().tolist()
+
+    def answers(self, inputs) -> list[float | None]:
+        """The judge's greedy answers, parsed; each unparsable one counted."""
+        out = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, do_sample=False,
+                                  pad_token_id=self.tokenizer.pad_token_id)
+        answers = self.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        grades = [self.parse(answer) for answer in answers]
+        self.failures += sum(grade is None for grade in grades)
+        return grades
+
+    def metrics(self) -> dict[str, float]:
+        """What WeightedRewards logs beside the function's rewards: its running count of unparsable answers."""
+        return {"parse_failures": float(self.failures)}

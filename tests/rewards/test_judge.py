@@ -1,0 +1,84 @@
+"""reward=judge (gspo_lab.rewards.judge): a causal LM grading with a rubric, on a tiny judge saved here: the verdict
+odds against a forward of each grading prompt alone, strict parsing with counted failures, the refusals, a run."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from gspo_lab.models.tokenizer import char_tokenizer
+from gspo_lab.rewards import Judge, WeightedRewards, build_rewards
+from gspo_lab.rewards.base import RewardFunction
+from gspo_lab.train import build
+
+PROMPTS = ["12+34=", "5+6=", "70+8=", "9+90=", "1+1="]
+COMPLETIONS = ["46", "11", "7", "99 and more", "2"]
+YES_NO = {"y": 1.0, "n": 0.0}  # the char tokenizer: " yes" and " no" both start with " "
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory):
+    """A one-layer Qwen3 causal LM over the char vocabulary, random weights (seed 0), saved with its tokenizer."""
+    folder = tmp_path_factory.mktemp("judge")
+    tokenizer = char_tokenizer()
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_verdict_odds_are_each_grading_prompts_own_in_batches(judge_dir):
+    """P(y) / (P(y) + P(n)) of the token after the rubric, computed for each prompt alone; batches of 2, left-padded
+    with positions counted from each row's first token, give the same to float32 rounding."""
+    judge = Judge(str(judge_dir), verdicts=YES_NO, batch_size=2)
+    model = AutoModelForCausalLM.from_pretrained(judge_dir).eval()
+    y, n = judge.tokenizer.convert_tokens_to_ids(["y", "n"])
+    alone = []
+    for prompt, completion in zip(PROMPTS, COMPLETIONS):
+        ids = judge.tokenizer(judge.grading_prompt(prompt, completion), return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            logits = model(**ids).logits[0, -1]
+        alone.append(torch.softmax(logits[[y, n]], -1)[0].item())
+    grades = judge(PROMPTS, COMPLETIONS)
+    assert grades == pytest.approx(alone, abs=1e-5) and all(0 < g < 1 for g in grades)
+
+
+def test_an_answer_that_does_not_parse_is_no_reward_and_is_counted(judge_dir):
+    """mode=output: the random judge's greedy answers are neither verdict: every completion gets None (no reward,
+    out of the baselines), and the failures are counted and logged, never a silent 0."""
+    judge = Judge(str(judge_dir), mode="output", verdicts=YES_NO, max_new_tokens=3)
+    rewards = WeightedRewards([RewardFunction(judge, name="judge")])
+    scores = rewards.score(PROMPTS, COMPLETIONS, [[1]] * 5, {})
+    answers = [judge.parse(a) for a in ("y", "n")]
+    assert answers == [1.0, 0.0]
+    assert scores.applies.tolist() == [False] * 5 and judge.failures == 5
+    assert scores.metrics["reward/judge/parse_failures"] == 5.0
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"mode": "vibes"}, r"mode='vibes' is invalid"),
+    ({"rubric": "Grade: {completion}"}, r"rubric=.* must hold \{prompt\} and \{completion\}"),
+    ({"verdicts": {" yes": 1.0, " no": 0.0}}, r"both start with the same token"),
+    ({"verdicts": {"y": 1.0}}, r"mode=logprob compares two verdicts"),
+])
+def test_what_cannot_grade_is_refused_naming_the_key(judge_dir, settings, message):
+    with pytest.raises(ValueError, match=message):
+        build_rewards({"functions": [{"_target_": "gspo_lab.rewards.Judge", "path": str(judge_dir), **settings}]},
+                      None)
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].path=.*no causal LM there"):
+        build_rewards({"functions": [{"_target_": "gspo_lab.rewards.Judge", "path": str(judge_dir / "none")}]}, None)
+
+
+def test_a_run_trains_on_the_judges_grades(compose, rl_overrides, judge_dir, updated_batches):
+    """reward=judge: the step's rewards are the judge's verdict odds (in (0, 1), one call per round), reward/gold
+    sits beside them, and the update moves the policy."""
+    run, module, _ = build(compose(rl_overrides + ["reward=judge", f"reward.functions.0.path={judge_dir}",
+                                                   "reward.functions.0.verdicts={y: 1.0, n: 0.0}",
+                                                   "train.steps=1", "train.eval_every=0"]))
+    before = [p.detach().clone() for p in module.model.parameters()]
+    run.trainer.fit(module)
+    rewards = updated_batches[0].rewards
+    assert ((rewards > 0) & (rewards < 1)).all() and "reward/gold" in module.history[0]
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
