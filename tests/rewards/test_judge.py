@@ -82,3 +82,14 @@ def test_a_run_trains_on_the_judges_grades(compose, rl_overrides, judge_dir, upd
     rewards = updated_batches[0].rewards
     assert ((rewards > 0) & (rewards < 1)).all() and "reward/gold" in module.history[0]
     assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
+
+
+@pytest.mark.vllm
+def test_a_run_on_vllm_trains_on_the_judges_grades(compose, rl_overrides, judge_dir):
+    pytest.importorskip("vllm")
+    run, module, _ = build(compose(rl_overrides + ["rollout.backend=vllm", "reward=judge",
+                                                   f"reward.functions.0.path={judge_dir}",
+                                                   "reward.functions.0.verdicts={y: 1.0, n: 0.0}",
+                                                   "train.steps=1", "train.eval_every=0"]))
+    run.trainer.fit(module)
+    assert 0 < module.history[0]["reward/mean"] < 1 and "reward/gold" in module.history[0]

@@ -172,3 +172,14 @@ def test_the_scripts_reward_model_comes_from_the_verifiers_pairs_and_trains_a_ru
                                                    "train.steps=1", "train.eval_every=0"]))
     run.trainer.fit(module)
     assert module.history[0]["reward/gold"] >= 0 and math.isfinite(module.history[0]["reward/mean"])
+
+
+@pytest.mark.vllm
+def test_a_run_on_vllm_trains_on_the_reward_model(compose, rl_overrides, reward_model_dir):
+    pytest.importorskip("vllm")
+    run, module, _ = build(compose(rl_overrides + ["rollout.backend=vllm", "reward=reward_model",
+                                                   f"reward.functions.0.path={reward_model_dir}",
+                                                   "train.steps=1", "train.eval_every=0"]))
+    run.trainer.fit(module)
+    row = module.history[0]
+    assert math.isfinite(row["reward/mean"]) and row["reward/std"] > 0 and 0 <= row["reward/gold"] <= 1
