@@ -3,30 +3,20 @@ odds against a forward of each grading prompt alone, strict parsing with counted
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
-from gspo_lab.models.tokenizer import char_tokenizer
 from gspo_lab.rewards import Judge, WeightedRewards, build_rewards
 from gspo_lab.rewards.base import RewardFunction
 from gspo_lab.train import build
+from tests.rewards.graders import YES_NO, save_grader
 
 PROMPTS = ["12+34=", "5+6=", "70+8=", "9+90=", "1+1="]
 COMPLETIONS = ["46", "11", "7", "99 and more", "2"]
-YES_NO = {"y": 1.0, "n": 0.0}  # the char tokenizer: " yes" and " no" both start with " "
 
 
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory):
-    """A one-layer Qwen3 causal LM over the char vocabulary, random weights (seed 0), saved with its tokenizer."""
-    folder = tmp_path_factory.mktemp("judge")
-    tokenizer = char_tokenizer()
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_grader(tmp_path_factory.mktemp("judge"), causal=True)
 
 
 def test_the_verdict_odds_are_each_grading_prompts_own_in_batches(judge_dir):

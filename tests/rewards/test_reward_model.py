@@ -6,31 +6,19 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, Qwen3Config, Qwen3ForSequenceClassification
+from transformers import AutoModelForSequenceClassification
 
-from gspo_lab.models.tokenizer import char_tokenizer
 from gspo_lab.rewards import RewardModel, build_rewards
 from gspo_lab.train import build
+from tests.rewards.graders import save_grader
 
 PROMPTS = ["12+34=", "5+6=", "70+8=", "9+90=", "1+1="]
 COMPLETIONS = ["46", "11", "7", "99 and more", "2"]
 
 
-def save_reward_model(folder, num_labels: int = 1):
-    """A one-layer Qwen3 classifier over the char vocabulary, random weights (seed 0), saved with its tokenizer."""
-    tokenizer = char_tokenizer()
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_labels=num_labels,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    Qwen3ForSequenceClassification(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory):
-    return save_reward_model(tmp_path_factory.mktemp("reward_model"))
+    return save_grader(tmp_path_factory.mktemp("reward_model"))
 
 
 def test_scores_are_the_models_own_in_batches_whatever_the_batch_size(reward_model_dir):
@@ -63,7 +51,7 @@ def test_offload_returns_the_model_to_the_host_between_calls(reward_model_dir):
 
 
 def test_what_is_not_a_reward_model_is_refused_naming_the_key(reward_model_dir, tmp_path):
-    two = save_reward_model(tmp_path / "two", num_labels=2)
+    two = save_grader(tmp_path / "two", num_labels=2)
     for cfg, message in (
         ({"functions": [{"_target_": "gspo_lab.rewards.RewardModel", "path": str(two)}]},
          r"reward.functions\[0\].path=.*its head has 2 labels"),
