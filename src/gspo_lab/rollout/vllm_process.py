@@ -124,9 +124,10 @@ class EngineProcess:
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig, cores: set[int]) -> None:
         self.model, self.rollout, self.cores = model, rollout, cores
         self.process = None
-        self.group = None  # the gloo group of two that carries the weights
+        self.store, self.group = None, None  # the gloo group of two that carries the weights, and its TCPStore
+        self.layout: Layout | None = None  # where each checkpoint tensor lies in a version's buffer
         self.sending: list[tuple[object, Tensor]] = []  # broadcasts in flight and the buffers they read
-        self.folder = None
+        self.folder = None  # the model's config, which the engine builds from
 
     @property
     def timeout(self) -> datetime.timedelta:
@@ -148,8 +149,7 @@ class EngineProcess:
                                        name="gspo-vllm-engine")
         self.process.start()
         self.receive()  # "ready" once vLLM is built, or the engine's error
-        self.group = ProcessGroupGloo(store, 0, 2, self.timeout)  # the engine joins it right after "ready"
-        self.store = store
+        self.store, self.group = store, ProcessGroupGloo(store, 0, 2, self.timeout)  # the engine joins after "ready"
 
     def push(self, version: int) -> None:
         """Send the model's current weights as `version`: copied into a host buffer now, broadcast in the
