@@ -181,12 +181,7 @@ class WeightedRewards:
         """A batched function's one outcome for `n` completions as one per completion."""
         if outcome.failure is not None:
             return [outcome] * n
-        value = outcome.value.tolist() if isinstance(outcome.value, Tensor) else outcome.value
-        if not isinstance(value, (list, tuple)) or len(value) != n:
-            got = f"{type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else repr(value)
-            raise RewardContractError(f"reward function {f.name} returned {got} for {n} completions ({where(0)} and "
-                                      "on); it must return a list with one float or None per completion")
-        return [Outcome([item]) for item in value]
+        return [Outcome([item]) for item in WeightedRewards._listed(f, outcome.value, n, f"{where(0)} and on")]
 
     def _value(self, f: RewardFunction, outcome: Outcome, i: int, prompts, completions, where) -> float | None:
         if outcome.failure is None:
@@ -203,14 +198,20 @@ class WeightedRewards:
         return 0.0
 
     @staticmethod
-    def _checked(f: RewardFunction, value: Any, where: str) -> float | None:
+    def _listed(f: RewardFunction, value: Any, n: int, where: str) -> list:
+        """What a function returned for `n` completions, held to the contract's shape: a list (or tensor) of `n`."""
         if isinstance(value, Tensor):
             value = value.tolist()
-        if not isinstance(value, (list, tuple)) or len(value) != 1:
+        if not isinstance(value, (list, tuple)) or len(value) != n:
             got = f"{type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else repr(value)
-            raise RewardContractError(f"reward function {f.name} returned {got} for 1 completion ({where}); it must "
+            completions = "1 completion" if n == 1 else f"{n} completions"
+            raise RewardContractError(f"reward function {f.name} returned {got} for {completions} ({where}); it must "
                                       "return a list with one float or None per completion")
-        item = value[0]
+        return list(value)
+
+    @staticmethod
+    def _checked(f: RewardFunction, value: Any, where: str) -> float | None:
+        item = WeightedRewards._listed(f, value, 1, where)[0]
         if item is None:
             return None
         if not isinstance(item, numbers.Real) or not math.isfinite(item):
