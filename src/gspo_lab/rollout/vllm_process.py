@@ -168,34 +168,45 @@ class EngineProcess:
     def receive(self) -> Result | None:
         """The next message from the engine: a `Result`, or None for "ready"; RuntimeError with the engine's
         traceback if it failed, or if it died or sent nothing for rollout.overlap.timeout_s."""
-        deadline = time.monotonic() + self.rollout.overlap.timeout_s
-        while True:
-            try:
-                kind, payload = self.results.get(timeout=POLL_S)
-                break
-            except queue.Empty:
-                if not self.process.is_alive():
-                    raise RuntimeError(f"rollout.async_mode=overlap: the engine process exited with code "
-                                       f"{self.process.exitcode} without a word") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rollout.async_mode=overlap: the engine process sent nothing for "
-                                       f"rollout.overlap.timeout_s={self.rollout.overlap.timeout_s} s") from None
-        if kind == "error":
-            raise RuntimeError(f"rollout.async_mode=overlap: the engine process failed:\n{payload}")
-        return payload
+        return awaited(self.process, self.results, self.rollout.overlap.timeout_s,
+                       "rollout.async_mode=overlap: the engine process", "rollout.overlap.timeout_s")
 
     def close(self) -> None:
         """Stop the engine process (after the rollout it is generating) and free the weight group."""
         if self.process is None:
             return
-        if self.process.is_alive():
-            self.requests.put(("stop", None))
-            self.process.join(timeout=60)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        stopped(self.process, self.requests)
         self.process, self.group, self.store, self.sending = None, None, None, []
         self.folder.cleanup()
+
+
+def awaited(process, results, timeout_s: float, what: str, key: str):
+    """The payload of the next message a served process puts on `results` ((kind, payload) pairs); RuntimeError
+    naming `what` with its traceback where it sent ("error", traceback), or where it exited or sent nothing for
+    `timeout_s` (the setting `key`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            kind, payload = results.get(timeout=POLL_S)
+            break
+        except queue.Empty:
+            if not process.is_alive():
+                raise RuntimeError(f"{what} exited with code {process.exitcode} without a word") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} sent nothing for {timeout_s:g} s ({key})") from None
+    if kind == "error":
+        raise RuntimeError(f"{what} failed:\n{payload}")
+    return payload
+
+
+def stopped(process, requests) -> None:
+    """Ask a served process to stop (after what it is doing), and kill it if it has not within a minute."""
+    if process.is_alive():
+        requests.put(("stop", None))
+        process.join(timeout=60)
+    if process.is_alive():
+        process.kill()
+        process.join()
 
 
 def serve(spec: EngineSpec, requests, results) -> None:
