@@ -96,8 +96,8 @@ class EvalPlan:
         if self.grader is not None:
             self.grader.close()
         for spec in self.specs:
-            if spec.rewards is not None and spec.rewards.runner is not None:
-                spec.rewards.runner.close()
+            if spec.rewards is not None:
+                spec.rewards.close()
 
 
 def build_eval(cfg: DictConfig, task: Task, prompt: PromptFormat, on_error: str = "zero") -> EvalPlan:

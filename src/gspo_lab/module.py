@@ -203,24 +203,26 @@ class RLModule(L.LightningModule):
         elif counts.get("reward_errors"):  # a checkpoint written before the reward group: one total, one function
             self.rewards.errors[self.rewards.functions[0].name] = counts["reward_errors"]
 
-    def reward_counts_of_all_ranks(self) -> dict[str, dict[str, int]]:
+    def reward_counts_of_all_ranks(self) -> dict[str, dict]:
         """The reward functions' running error and timeout counts (`WeightedRewards.state_dict`) summed over the
-        ranks, each of which counts its own completions, as they are logged; collective: every rank saves."""
+        ranks, each of which counts its own completions, as they are logged, and the functions' own states (a
+        judge's failures) as this rank holds them; collective: every rank saves."""
         state = self.rewards.state_dict()
         if self.trainer.world_size == 1:
             return state
-        summed = across_ranks({f"reward/{name}/{kind}": float(n) for kind, counts in state.items()
-                               for name, n in counts.items()}, self.trainer.strategy, self.device)
-        return {kind: {name: int(summed[f"reward/{name}/{kind}"]) for name in counts} for kind, counts in state.items()}
+        counts = {kind: state[kind] for kind in ("errors", "timeouts")}  # the functions' own states: this rank's
+        summed = across_ranks({f"reward/{name}/{kind}": float(n) for kind, named in counts.items()
+                               for name, n in named.items()}, self.trainer.strategy, self.device)
+        return dict(state, **{kind: {name: int(summed[f"reward/{name}/{kind}"]) for name in named}
+                              for kind, named in counts.items()})
 
     def teardown(self, stage: str) -> None:
         self.close()
 
     def close(self) -> None:
-        """Stop what runs beside the model: the grading pools' worker processes and the rollout engine (vLLM's);
-        the module's teardown on success, gspo_lab.train when fit raises."""
-        if self.rewards.runner is not None:
-            self.rewards.runner.close()
+        """Stop what runs beside the model: the grading pools' worker processes, a judge's engine and the rollout
+        engine (vLLM's); the module's teardown on success, gspo_lab.train when fit raises."""
+        self.rewards.close()
         self.evaluation.close()
         self.engine.close()
         if self.rescorer is not None:

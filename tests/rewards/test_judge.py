@@ -1,5 +1,6 @@
 """reward=judge (gspo_lab.rewards.judge): a causal LM grading with a rubric, on a tiny judge saved here: the verdict
-odds against a forward of each grading prompt alone, strict parsing with counted failures, the refusals, a run."""
+odds against a forward of each grading prompt alone, strict parsing with counted failures, the refusals, a run; on
+vLLM, the judge's own engine against transformers, and a run with the policy and the judge on vLLM."""
 
 import pytest
 import torch
@@ -47,8 +48,22 @@ def test_an_answer_that_does_not_parse_is_no_reward_and_is_counted(judge_dir):
     assert scores.metrics["reward/judge/parse_failures"] == 5.0
 
 
+def test_the_failure_count_is_kept_in_the_reward_state(judge_dir):
+    """A checkpoint's reward state holds the judge's failure count, and a resumed run's judge starts from it."""
+    first = Judge(str(judge_dir), mode="output", verdicts=YES_NO, max_new_tokens=2)
+    rewards = WeightedRewards([RewardFunction(first, name="judge")])
+    rewards.score(PROMPTS[:3], COMPLETIONS[:3], [[1]] * 3, {})
+    state = rewards.state_dict()
+    assert state["functions"] == {"judge": {"failures": 3}}
+    resumed = WeightedRewards([RewardFunction(Judge(str(judge_dir), mode="output", verdicts=YES_NO), name="judge")])
+    resumed.load_state_dict(state)
+    assert resumed.functions[0].fn.failures == 3
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"mode": "vibes"}, r"mode='vibes' is invalid"),
+    ({"backend": "sglang"}, r"backend='sglang' is invalid: must be hf or vllm"),
+    ({"backend": "vllm", "offload": True}, r"offload=true with reward.functions\[0\].backend=vllm"),
     ({"rubric": "Grade: {completion}"}, r"rubric=.* must hold \{prompt\} and \{completion\}"),
     ({"verdicts": {" yes": 1.0, " no": 0.0}}, r"both start with the same token"),
     ({"verdicts": {"y": 1.0}}, r"mode=logprob compares two verdicts"),
@@ -75,11 +90,65 @@ def test_a_run_trains_on_the_judges_grades(compose, rl_overrides, judge_dir, upd
 
 
 @pytest.mark.vllm
-def test_a_run_on_vllm_trains_on_the_judges_grades(compose, rl_overrides, judge_dir):
+def test_a_run_on_vllm_trains_on_the_judges_grades(compose, rl_overrides, vllm_judge_dir):
+    """The policy on vLLM and the judge on an engine of its own (reward=judge follows rollout.backend): the rewards
+    are its odds, and the run's end stops its engine."""
     pytest.importorskip("vllm")
     run, module, _ = build(compose(rl_overrides + ["rollout.backend=vllm", "reward=judge",
-                                                   f"reward.functions.0.path={judge_dir}",
+                                                   f"reward.functions.0.path={vllm_judge_dir}",
                                                    "reward.functions.0.verdicts={y: 1.0, n: 0.0}",
                                                    "train.steps=1", "train.eval_every=0"]))
+    engine = module.rewards.functions[0].fn.engine
     run.trainer.fit(module)
     assert 0 < module.history[0]["reward/mean"] < 1 and "reward/gold" in module.history[0]
+    assert engine is not None and engine.process is None
+
+
+@pytest.fixture(scope="module")
+def vllm_judge_dir(tmp_path_factory):
+    return save_grader(tmp_path_factory.mktemp("vllm-judge"), causal=True, head_dim=32)
+
+
+def test_a_judge_on_vllm_needs_vllm_or_takes_rollout_vllms_settings(judge_dir):
+    """backend=vllm is refused where vLLM is not installed; where it is, its settings are rollout.vllm's, checked
+    by the same rules and named by the judge's key."""
+    entry = {"_target_": "gspo_lab.rewards.Judge", "path": str(judge_dir), "verdicts": YES_NO, "backend": "vllm"}
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"reward.functions\[0\].backend=vllm needs vLLM installed"):
+            build_rewards({"functions": [entry]}, None)
+        return
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].vllm.cpu_kv_cache_gb=0"):
+        build_rewards({"functions": [dict(entry, vllm={"cpu_kv_cache_gb": 0})]}, None)
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].vllm.dtype is not a setting"):
+        build_rewards({"functions": [dict(entry, vllm={"dtype": "bfloat16"})]}, None)
+
+
+@pytest.mark.vllm
+def test_the_judges_own_vllm_engine_grades_as_transformers_does(vllm_judge_dir):
+    """backend=vllm: the verdict odds from the engine's prompt log-probs equal transformers' next-token odds (both
+    float32; vLLM's CPU kernels round otherwise, so to 1e-4), and its greedy answers are transformers' tokens, parsed
+    and counted alike; the engine process is gone after close."""
+    pytest.importorskip("vllm")
+    hf = Judge(str(vllm_judge_dir), verdicts=YES_NO, batch_size=2)
+    served = Judge(str(vllm_judge_dir), verdicts=YES_NO, backend="vllm")
+    hf_output = Judge(str(vllm_judge_dir), mode="output", verdicts=YES_NO, max_new_tokens=3)
+    try:
+        assert served(PROMPTS, COMPLETIONS) == pytest.approx(hf(PROMPTS, COMPLETIONS), abs=1e-4)
+        served.mode, served.max_new_tokens = "output", 3
+        texts = [hf.grading_prompt(p, c) for p, c in zip(PROMPTS, COMPLETIONS)]
+        ids = hf.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        engine_answers = served.engine.answers(ids, 3, [hf.tokenizer.eos_token_id])
+        inputs = hf.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        out = hf_output.model.generate(**inputs, max_new_tokens=3, do_sample=False,
+                                       pad_token_id=hf.tokenizer.pad_token_id)  # as Judge.answers
+        ends = {hf.tokenizer.eos_token_id, hf.tokenizer.pad_token_id}  # transformers pads after an end
+        assert engine_answers == [[t for t in row if t not in ends] for row in out[:, inputs["input_ids"].shape[1]:]
+                                  .tolist()]
+        assert served(PROMPTS, COMPLETIONS) == hf_output(PROMPTS, COMPLETIONS)
+        assert served.failures == hf_output.failures
+        process = served.engine.process
+    finally:
+        served.close()
+    assert not process.is_alive()

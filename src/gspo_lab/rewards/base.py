@@ -219,9 +219,23 @@ class WeightedRewards:
                                       "finite number, or None where the function does not apply")
         return float(item)
 
-    def state_dict(self) -> dict[str, dict[str, int]]:
-        return {"errors": dict(self.errors), "timeouts": dict(self.timeouts)}
+    def state_dict(self) -> dict[str, dict]:
+        """The running counts, and the state of each function that keeps one (a judge's grading failures)."""
+        kept = {f.name: unwrapped(f.fn).state_dict() for f in self.functions
+                if hasattr(unwrapped(f.fn), "state_dict")}
+        return {"errors": dict(self.errors), "timeouts": dict(self.timeouts), "functions": kept}
 
-    def load_state_dict(self, state: dict[str, dict[str, int]]) -> None:
+    def load_state_dict(self, state: dict[str, dict]) -> None:
         for key, counts in (("errors", self.errors), ("timeouts", self.timeouts)):
             counts.update({name: n for name, n in state.get(key, {}).items() if name in counts})
+        for f in self.functions:
+            if f.name in state.get("functions", {}):
+                unwrapped(f.fn).load_state_dict(state["functions"][f.name])
+
+    def close(self) -> None:
+        """Stop the grading workers and what the functions hold open (a judge's vLLM engine)."""
+        if self.runner is not None:
+            self.runner.close()
+        for f in self.functions:
+            if hasattr(unwrapped(f.fn), "close"):
+                unwrapped(f.fn).close()

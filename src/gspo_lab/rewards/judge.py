@@ -14,9 +14,13 @@ tokenizer has one (one user message), else as it is. The score comes from one of
   and its advantage is 0), and the judge counts it in `failures`, logged as reward/<name>/parse_failures. Never a
   silent 0.
 
-Both score in batches of `batch_size` under inference mode, once per round (`batched`), on `device` (null: the GPU
-where there is one), the model going back to the host between calls under `offload`. Served by transformers in
-the training process; a vLLM engine of its own is not built yet.
+Both score once per round (`batched`). `backend` serves the judge:
+
+- `hf`: transformers in the training process, in batches of `batch_size` under inference mode, on `device` (null:
+  the GPU where there is one), the model going back to the host between calls under `offload`;
+- `vllm`: a vLLM engine of its own in a process of its own (gspo_lab.rewards.judge_engine), with the `vllm`
+  settings of rollout.vllm (its KV cache, its share of the GPU); started at the first call. The config's default
+  is the run's rollout.backend.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ class Judge:
     def __init__(self, path: str, rubric: str = RUBRIC, mode: str = "logprob",
                  verdicts: dict[str, float] | None = None, low: float = 0.0, high: float = 10.0,
                  max_new_tokens: int = 8, batch_size: int = 16, dtype: str = "float32", device: str | None = None,
-                 offload: bool = False, key: str = "reward.functions[i]") -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+                 offload: bool = False, backend: str = "hf", vllm: dict | None = None,
+                 key: str = "reward.functions[i]") -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         verdicts = {" yes": 1.0, " no": 0.0} if verdicts is None and mode == "logprob" else dict(verdicts or {})
         if mode not in ("logprob", "output"):
@@ -56,25 +61,38 @@ class Judge:
             raise ValueError(f"{key}.batch_size={batch_size!r} is invalid: must be an integer >= 1")
         if dtype not in DTYPES:
             raise ValueError(f"{key}.dtype={dtype!r} is invalid: must be one of {list(DTYPES)}")
+        if backend not in ("hf", "vllm"):
+            raise ValueError(f"{key}.backend={backend!r} is invalid: must be hf or vllm")
+        if backend == "vllm" and offload:
+            raise ValueError(f"{key}.offload=true with {key}.backend=vllm: the judge's engine holds its own memory "
+                             f"(set its share with {key}.vllm.gpu_memory_utilization); offload is for hf")
         self.rubric, self.mode, self.verdicts, self.low, self.high = rubric, mode, verdicts, low, high
         self.max_new_tokens, self.batch_size, self.offload, self.key = max_new_tokens, batch_size, offload, key
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.__name__ = Path(str(path)).name or str(path)
+        path = str(Path(str(path)).expanduser())  # a folder under ~; a hub id stays as it is
+        self.__name__ = Path(path).name or path
+        self.model, self.engine = None, None
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+            if backend == "hf":
+                self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+            else:
+                AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as error:
             raise ValueError(f"{key}.path={str(path)!r}: no causal LM there (a save_pretrained folder with its "
                              f"tokenizer, or a hub id in the local cache): {error}") from None
-        self.model.requires_grad_(False)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        if backend == "vllm":
+            self.engine = judge_engine(str(path), dtype, vllm, self.device, key)
+        else:
+            self.model.requires_grad_(False)
+            self.model.to("cpu" if offload else self.device)
         self.verdict_ids = [self.first_token(word) for word in verdicts] if mode == "logprob" else []
         if mode == "logprob" and len(set(self.verdict_ids)) != 2:
             raise ValueError(f"{key}.verdicts={verdicts!r}: both start with the same token "
                              f"({self.verdict_ids[0]}), so their odds cannot be told apart; pick other words")
         self.failures = 0  # answers that were neither a verdict nor a number in range (mode=output)
-        self.model.to("cpu" if offload else self.device)
 
     def first_token(self, word: str) -> int:
         ids = self.tokenizer(word, add_special_tokens=False)["input_ids"]
@@ -113,8 +131,10 @@ class Judge:
 
     @torch.inference_mode()
     def __call__(self, prompts, completions, **kwargs) -> list[float | None]:
-        """Each completion's grade, in batches of `batch_size`."""
+        """Each completion's grade, in batches of `batch_size` (hf) or all at once (vllm)."""
         texts = [self.grading_prompt(p, c) for p, c in zip(prompts, completions)]
+        if self.engine is not None:
+            return self.served(texts)
         self.model.to(self.device)
         grades = []
         for start in range(0, len(texts), self.batch_size):
@@ -124,6 +144,15 @@ class Judge:
         if self.offload:
             self.model.to("cpu")
         return grades
+
+    def served(self, texts: list[str]) -> list[float | None]:
+        """The grades from the judge's vLLM engine: the same odds, or the same strictly parsed answers."""
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        if self.mode == "logprob":
+            pairs = torch.tensor(self.engine.verdict_logprobs(ids, self.verdict_ids))  # [n, 2]
+            return pairs.log_softmax(-1)[:, 0].exp().tolist()
+        answers = self.engine.answers(ids, self.max_new_tokens, [self.tokenizer.eos_token_id])
+        return self.parsed(self.tokenizer.batch_decode(answers, skip_special_tokens=True))
 
     def verdict_odds(self, inputs) -> list[float]:
         """P(yes) / (P(yes) + P(no)) of the next token after each (left-padded) grading prompt."""
@@ -136,7 +165,11 @@ class Judge:
         """The judge's greedy answers, parsed; each unparsable one counted."""
         out = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, do_sample=False,
                                   pad_token_id=self.tokenizer.pad_token_id)
-        answers = self.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        return self.parsed(self.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:],
+                                                       skip_special_tokens=True))
+
+    def parsed(self, answers: list[str]) -> list[float | None]:
+        """Each answer's grade (`parse`), the unparsable ones counted."""
         grades = [self.parse(answer) for answer in answers]
         self.failures += sum(grade is None for grade in grades)
         return grades
@@ -144,3 +177,37 @@ class Judge:
     def metrics(self) -> dict[str, float]:
         """What WeightedRewards logs beside the function's rewards: its running count of unparsable answers."""
         return {"parse_failures": float(self.failures)}
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps: the running count of unparsable answers."""
+        return {"failures": self.failures}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.failures = int(state.get("failures", 0))
+
+    def close(self) -> None:
+        """Stop the judge's vLLM engine, where it has one."""
+        if self.engine is not None:
+            self.engine.close()
+
+
+def judge_engine(path: str, dtype: str, settings: dict | None, device: torch.device, key: str):
+    """The judge's vLLM engine (not started yet), its settings checked as rollout.vllm's are, named by `key`."""
+    from gspo_lab.engine_settings import VLLMConfig
+    from gspo_lab.rewards.judge_engine import JudgeEngine
+    from gspo_lab.rollout.vllm_setup import available
+
+    if not available():
+        raise ValueError(f"{key}.backend=vllm needs vLLM installed (pip install -e '.[vllm]' on a GPU node, "
+                         "make test-vllm's .venv-vllm on CPU); or backend=hf")
+    settings = dict(settings or {})
+    known = [name for name in VLLMConfig.__dataclass_fields__ if name != "dtype"]  # the judge's own dtype rules
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ValueError(f"{key}.vllm.{unknown[0]} is not a setting of the judge's engine (those of rollout.vllm but "
+                         f"dtype, which is {key}.dtype: {', '.join(known)})")
+    try:
+        config = VLLMConfig(**settings)
+    except ValueError as error:
+        raise ValueError(str(error).replace("rollout.vllm", f"{key}.vllm")) from None
+    return JudgeEngine(path, dtype, config, device.type, key)
