@@ -74,6 +74,13 @@ def test_a_path_in_the_reward_list_is_a_reward_model_as_in_trl(reward_model_dir)
     assert function.fn(PROMPTS, COMPLETIONS) == pytest.approx(RewardModel(str(reward_model_dir))(PROMPTS, COMPLETIONS))
 
 
+def test_a_folder_under_home_is_found_from_its_tilde_path(tmp_path, monkeypatch):
+    """A config names a cached reward model as ~/...: the folder under $HOME loads (a hub id would not start so)."""
+    save_grader(tmp_path / "models" / "rm")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    scorer = RewardModel("~/models/rm")
+    assert scorer.path == str(tmp_path / "models" / "rm") and scorer.__name__ == "rm"
+
 def test_a_run_trains_on_the_reward_models_scores(compose, rl_overrides, reward_model_dir, updated_batches):
     """reward=reward_model: the step's rewards are the model's scores of its completions (their mean is
     reward/mean), and the updates move the policy."""

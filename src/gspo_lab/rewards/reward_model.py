@@ -44,7 +44,8 @@ class RewardModel:
             raise ValueError(f"{key}.max_length={max_length!r} is invalid: must be null or an integer >= 2")
         if dtype not in DTYPES:
             raise ValueError(f"{key}.dtype={dtype!r} is invalid: must be one of {list(DTYPES)}")
-        self.path, self.batch_size, self.max_length, self.offload = str(path), batch_size, max_length, offload
+        path = str(Path(str(path)).expanduser())  # a folder under ~; a hub id stays as it is
+        self.path, self.batch_size, self.max_length, self.offload = path, batch_size, max_length, offload
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.__name__ = Path(self.path).name or self.path
         try:
