@@ -123,7 +123,7 @@ def main() -> None:
         config = RewardConfig(output_dir=f"{scratch}/trainer", num_train_epochs=args.epochs, learning_rate=args.lr,
                               per_device_train_batch_size=args.batch_size, report_to=[], save_strategy="no",
                               logging_steps=10, seed=args.seed, use_cpu=not torch.cuda.is_available(),
-                              max_length=None, bf16=False)
+                              max_length=None, bf16=False, gradient_checkpointing=False)
         trainer = RewardTrainer(model=model, args=config, processing_class=tokenizer,
                                 train_dataset=Dataset.from_list(tokenized(flipped, tokenizer)))
         trainer.train()
