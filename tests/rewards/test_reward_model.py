@@ -3,6 +3,7 @@ in batches, on a tiny reward model saved here; the refusals; TRL's form (a path 
 on it."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -72,6 +73,29 @@ def test_a_path_in_the_reward_list_is_a_reward_model_as_in_trl(reward_model_dir)
     (function,) = rewards.functions
     assert isinstance(function.fn, RewardModel) and function.weight == 1.0
     assert function.fn(PROMPTS, COMPLETIONS) == pytest.approx(RewardModel(str(reward_model_dir))(PROMPTS, COMPLETIONS))
+
+
+def test_a_hub_id_in_the_reward_list_loads_from_the_hub_cache_as_in_trl(reward_model_dir, tmp_path):
+    """TRL's reward_funcs=["org/name"]: the id resolves through the hub cache (offline here: a cache laid out as
+    huggingface_hub writes it), in a fresh process so that HF_HUB_CACHE is read at import."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    repo = tmp_path / "hub" / "models--gspo-lab--tiny-rm"
+    shutil.copytree(reward_model_dir, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    code = ("import json, sys; from gspo_lab.rewards import build_rewards; "
+            "fn = build_rewards({'functions': ['gspo-lab/tiny-rm']}, None).functions[0].fn; "
+            f"print(json.dumps([fn.__name__, fn({PROMPTS!r}, {COMPLETIONS!r})]))")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    name, scores = json.loads(done.stdout.splitlines()[-1])
+    assert name == "tiny-rm"
+    assert scores == pytest.approx(RewardModel(str(reward_model_dir))(PROMPTS, COMPLETIONS), abs=1e-5)
 
 
 def test_a_folder_under_home_is_found_from_its_tilde_path(tmp_path, monkeypatch):
