@@ -44,7 +44,8 @@ def finished_runs(sweep: Path) -> list[Path]:
 def test_every_experiment_is_tested():
     assert STUDIES == ["clip_lr", "clip_range", "entropy", "expert_volatility", "group_size", "length_norm", "length_norm_long",
                        "multi_turn_calculator", "multi_turn_guess_number", "objective_zoo", "objective_zoo_long",
-                       "off_policy", "paper_main", "precision", "real_engine", "routing_replay", "stability", "staleness"]
+                       "off_policy", "overoptimization", "paper_main", "precision", "real_engine", "routing_replay",
+                       "stability", "staleness"]
     assert SINGLE_RUNS == ["bench_anchor", "bench_gpu", "bench_paper", "bench_vocab"]
 
 
@@ -71,6 +72,10 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
     dense = "override /model: tiny_dense" in OmegaConf.to_yaml(EXPERIMENTS[study].get("defaults", []))
     tiny = [o for o in TINY + ["model.config.num_hidden_layers=1"] if o.split("=")[0] not in swept
             and not (dense and o.startswith("model.config.moe_"))]
+    if study == "overoptimization":  # its proxy is a reward model made by a script (7 minutes): a tiny one here
+        from tests.rewards.graders import save_grader
+
+        tiny.append(f"reward.functions.0.path={save_grader(tmp_path / 'reward_model')}")
     result = gspo_train(["-m", f"experiment={study}", "seed=0", "sft.enabled=false", "hydra/launcher=basic",
                          f"hydra.sweep.dir={tmp_path / 'sweep'}", f"paths.cache_dir={tmp_path / 'cache'}", *tiny],
                         tmp_path)
@@ -79,7 +84,8 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
     expected = {"paper_main": 5, "clip_range": 6, "clip_lr": 12, "group_size": 4, "length_norm": 2, "length_norm_long": 2,
                 "objective_zoo": 16, "objective_zoo_long": 16, "routing_replay": 6, "expert_volatility": 8,
                 "off_policy": 4, "stability": 6, "precision": 4, "real_engine": 4, "entropy": 2,
-                "multi_turn_calculator": 5, "multi_turn_guess_number": 5, "staleness": 20}[study]
+                "multi_turn_calculator": 5, "multi_turn_guess_number": 5, "staleness": 20,
+                "overoptimization": 6}[study]
     assert len(runs) == expected
     assert all((run / "metrics.csv").is_file() for run in runs)
 
