@@ -137,12 +137,14 @@ COMMITTED_STUDIES = {"paper_main": "algorithm=gspo", "routing_replay": "algorith
                      "clip_lr/default": "algorithm=grpo clip_scale=1.0 train.lr=0.0001",
                      "clip_lr/low_start": "algorithm=gspo clip_scale=1.0",
                      "multi_turn/calculator": "algorithm=gspo", "multi_turn/guess_number": "algorithm=gspo",
-                     "staleness": "algorithm=gspo correction=bypass rollout.max_staleness=0"}
+                     "staleness": "algorithm=gspo correction=bypass rollout.max_staleness=0",
+                     "overoptimization": "algorithm=gspo objective.beta=0.0"}
 # a study's other gspo-report options, where it has any (a folder below a study: one of its tasks)
 CLIP_LR = {"grid": ("train.lr", "clip_scale"), "grid_baseline": "1.0", "setting_figures": False}
 STUDY_OPTIONS = {"entropy": {"metric": "entropy"}, "clip_lr/byo": CLIP_LR, "clip_lr/default": CLIP_LR,
                  "clip_lr/low_start": CLIP_LR,
-                 "multi_turn/guess_number": {"metric": "eval/heldout/reward/environment_reward/greedy"}}
+                 "multi_turn/guess_number": {"metric": "eval/heldout/reward/environment_reward/greedy"},
+                 "overoptimization": {"metric": "reward/gold"}}
 
 
 def option_text(options: dict) -> str:
