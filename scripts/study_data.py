@@ -7,17 +7,23 @@ figures can be regenerated from committed data:
 
 Columns that hold wall-clock times (`time/*`, `throughput/*`) are left out of metrics.csv: they are not results, and
 no table or figure of the report uses them. Numbers keep 6 significant digits (the report shows 3), which halves the
-files; the committed report is the one regenerated from these copies, so the two agree exactly.
+files, and the copy is gzipped (metrics.csv.gz, with no time stamp, so the same run gives the same bytes), about a
+sixth again: the device tool carries the working tree, studies included, within 64 MiB. gspo-report and the
+studies' scripts read either (gspo_lab.report.run.open_metrics); the committed report is the one regenerated from
+these copies, so the two agree exactly.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import gzip
+import io
 import shutil
 import sys
 from pathlib import Path
 
+from gspo_lab.report.run import open_metrics
 from gspo_lab.report.runs import run_dirs
 from gspo_lab.report.samples import sample_files
 
@@ -44,8 +50,9 @@ def export_run(run: Path, out: Path) -> None:
         if (run / name).is_file():
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(run / name, out / name)
-    if (run / "metrics.csv").is_file():
-        with open(run / "metrics.csv", newline="") as source, open(out / "metrics.csv", "w", newline="") as target:
+    if (run / "metrics.csv").is_file() or (run / "metrics.csv.gz").is_file():
+        with open_metrics(run) as source, gzip.GzipFile(out / "metrics.csv.gz", "wb", mtime=0) as packed, \
+                io.TextIOWrapper(packed, newline="") as target:
             reader = csv.DictReader(source)
             kept = [name for name in reader.fieldnames or [] if not name.startswith(CLOCK)]
             writer = csv.DictWriter(target, fieldnames=kept, extrasaction="ignore", lineterminator="\n")

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from gspo_lab.report.run import open_metrics
 from gspo_lab.report.stats import mean_interval
 
 ENVIRONMENT_REWARD = "eval/heldout/reward/environment_reward/greedy"
@@ -36,7 +37,8 @@ def column(rows: list[dict], key: str) -> list[float]:
 
 
 def run_numbers(run: Path) -> dict[str, float]:
-    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    with open_metrics(run) as file:
+        rows = list(csv.DictReader(file))
     evals = column(rows, "eval/accuracy")
     out = {"gain": evals[-1] - evals[0], "first": evals[0], "last": evals[-1]}
     # guess_number: the environment's reward on the same greedy games, which counts guesses
@@ -59,7 +61,7 @@ def run_numbers(run: Path) -> dict[str, float]:
 def main(root: str) -> None:
     arms: dict[str, dict[int, dict]] = {}
     for run in sorted(Path(root).iterdir()):
-        if not (run / "metrics.csv").exists():
+        if not any((run / name).exists() for name in ("metrics.csv", "metrics.csv.gz")):
             continue
         overrides = yaml.safe_load(open(run / ".hydra/overrides.yaml"))
         seed = int(next(o for o in overrides if o.startswith("seed=")).split("=")[1])

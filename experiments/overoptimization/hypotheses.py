@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from gspo_lab.report.run import open_metrics
+from gspo_lab.report.runs import run_dirs
 from gspo_lab.report.stats import mean_interval
 
 WINDOW = 25  # steps per window mean
@@ -43,7 +45,8 @@ def windows(values: np.ndarray, width: int = WINDOW) -> np.ndarray:
 
 
 def run_numbers(run: Path) -> dict:
-    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    with open_metrics(run) as file:
+        rows = list(csv.DictReader(file))
     proxy, gold = windows(steps_of(rows, "reward/mean")), windows(steps_of(rows, "reward/gold"))
     d = np.sqrt(np.clip(windows(steps_of(rows, "kl/to_initial")), 0.0, None))
     evals = [float(r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") not in (None, "")]
@@ -62,12 +65,12 @@ def run_numbers(run: Path) -> dict:
 def arms_of(root: Path) -> dict[tuple, dict[int, dict]]:
     """(algorithm, beta) -> seed -> run_numbers, for every finished run dir under `root`."""
     arms: dict[tuple, dict[int, dict]] = {}
-    for metrics in sorted(root.rglob("metrics.csv")):
-        if not (metrics.parent / "summary.json").exists():  # a run still going
+    for run in run_dirs(root):
+        if not (run / "summary.json").exists():  # a run still going, or failed
             continue
-        overrides = dict(o.split("=", 1) for o in yaml.safe_load(open(metrics.parent / ".hydra/overrides.yaml")))
+        overrides = dict(o.split("=", 1) for o in yaml.safe_load(open(run / ".hydra/overrides.yaml")))
         arm = (overrides["algorithm"], float(overrides["objective.beta"]))
-        arms.setdefault(arm, {})[int(overrides["seed"])] = run_numbers(metrics.parent)
+        arms.setdefault(arm, {})[int(overrides["seed"])] = run_numbers(run)
     return arms
 
 

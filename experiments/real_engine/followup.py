@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from gspo_lab.report.run import open_metrics
 from gspo_lab.report.stats import mean_interval
 
 # sweep folder -> arm, or (arm when rollout.logprobs_from_generation=true, arm when false)
@@ -48,7 +49,7 @@ def run_numbers(run: Path) -> tuple[str, int, dict[str, float]]:
     summary = json.load(open(run / "summary.json"))
     numbers = {"final": summary["eval/accuracy_after"],
                "change": summary["eval/accuracy_after"] - summary["eval/accuracy_before"]}
-    with open(run / "metrics.csv") as f:
+    with open_metrics(run) as f:
         rows = list(csv.DictReader(f))
     for key in STEP_MEANS:
         values = [float(r[key]) for r in rows if r.get(key) not in (None, "")]

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from gspo_lab.report.run import open_metrics
+from gspo_lab.report.runs import run_dirs
 from gspo_lab.report.stats import mean_interval
 
 STEP_MEANS = ("clip/frac", "off_policy/staleness_mean", "mismatch/seq_log_ratio_abs", "ratio/seq/max",
@@ -38,7 +40,8 @@ def column(rows: list[dict], key: str) -> list[float]:
 
 
 def run_numbers(run: Path) -> dict[str, float]:
-    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    with open_metrics(run) as file:
+        rows = list(csv.DictReader(file))
     evals = column(rows, "eval/accuracy")
     out = {"final": evals[-1], "gain": evals[-1] - evals[0]}
     for key in STEP_MEANS:
@@ -50,8 +53,9 @@ def run_numbers(run: Path) -> dict[str, float]:
 def arms_of(root: Path) -> dict[tuple, dict[int, dict]]:
     """arm (the KEYS' values) -> seed -> run_numbers, for every run dir under `root` (at any depth)."""
     arms: dict[tuple, dict[int, dict]] = {}
-    for metrics in sorted(root.rglob("metrics.csv")):
-        run = metrics.parent
+    for run in run_dirs(root):
+        if (run / "failed.txt").exists():
+            continue
         overrides = dict(o.split("=", 1) for o in yaml.safe_load(open(run / ".hydra/overrides.yaml")))
         arm = tuple(overrides.get(k, DEFAULTS.get(k, "")) for k in KEYS)
         arms.setdefault(arm, {})[int(overrides["seed"])] = run_numbers(run)

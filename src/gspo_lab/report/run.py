@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 import platform
 import subprocess
 from importlib import metadata
 from pathlib import Path
+from typing import IO
 
 import matplotlib
 
@@ -19,12 +21,26 @@ LIBRARIES = ("gspo-lab", "torch", "transformers", "lightning", "hydra-core", "om
              "tokenizers")
 
 
+def metrics_file(run_dir: str | Path) -> Path:
+    """A run dir's metrics: metrics.csv as the run writes it, or metrics.csv.gz as a study commits it
+    (scripts/study_data.py)."""
+    for name in ("metrics.csv", "metrics.csv.gz"):
+        if (Path(run_dir) / name).is_file():
+            return Path(run_dir) / name
+    raise FileNotFoundError(f"{Path(run_dir) / 'metrics.csv'}: no metrics.csv (the run has not logged a step yet), "
+                            "nor a study's metrics.csv.gz")
+
+
+def open_metrics(run_dir: str | Path) -> IO[str]:
+    """A run dir's metrics as a text file for csv (metrics_file), decompressed where it is gzipped."""
+    path = metrics_file(run_dir)
+    return gzip.open(path, "rt", newline="") if path.suffix == ".gz" else path.open(newline="")
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
-    """metrics.csv as a list of rows, numbers parsed, empty cells as NaN, sorted by step."""
-    path = Path(run_dir) / "metrics.csv"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics.csv (the run has not logged a step yet)")
-    with path.open(newline="") as file:
+    """metrics.csv (or a study's metrics.csv.gz) as a list of rows, numbers parsed, empty cells as NaN, sorted by
+    step."""
+    with open_metrics(run_dir) as file:
         rows = [{k: float(v) if v != "" else math.nan for k, v in row.items()} for row in csv.DictReader(file)]
     return sorted(rows, key=lambda row: row["step"])
 
