@@ -130,6 +130,25 @@ def test_the_counts_are_saved_and_restored():
     assert restored.score(PROMPTS, TEXTS, IDS, COLUMNS).metrics["reward/flaky/errors"] == 2
 
 
+def test_a_torch_module_reward_keeps_its_weights_out_of_the_reward_state():
+    """A reward function that is a torch module has a state_dict, of weights: the run's reward counts do not carry
+    them (a judge's counts are kept; tests/rewards/test_judge.py)."""
+    class Scorer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, prompts, completions, **kwargs):
+            return [float(self.scale) * len(c) for c in completions]
+
+    rewards = WeightedRewards([RewardFunction(Scorer(), name="scorer")])
+    assert rewards.score(PROMPTS, TEXTS, IDS, COLUMNS).total.tolist() == [float(len(t)) for t in TEXTS]
+    state = rewards.state_dict()
+    assert state["functions"] == {} and state["errors"] == {"scorer": 0}
+    rewards.load_state_dict({**state, "functions": {"scorer": {"scale": torch.zeros(())}}})
+    assert float(rewards.functions[0].fn.scale) == 1.0
+
+
 def test_the_tasks_checker_is_a_reward_function_named_after_the_task():
     rewards = build_rewards({"functions": [{"_target_": "gspo_lab.rewards.TaskReward"}]},
                             task=Arithmetic(format_weight=0.5))

@@ -48,6 +48,12 @@ def unwrapped(fn: Callable) -> Callable:
     return fn
 
 
+def keeps_state(fn: Callable) -> bool:
+    """Whether a reward function keeps counts a checkpoint saves (state_dict / load_state_dict, as the judge's grading
+    failures); a torch module's weights are not such a state, and are not saved with the run's counts."""
+    return hasattr(fn, "state_dict") and hasattr(fn, "load_state_dict") and not isinstance(fn, torch.nn.Module)
+
+
 def reward_name(fn: Callable) -> str:
     """The name TRL gives a reward function: its `__name__`, a partial's wrapped function's, else its class's.
 
@@ -221,15 +227,14 @@ class WeightedRewards:
 
     def state_dict(self) -> dict[str, dict]:
         """The running counts, and the state of each function that keeps one (a judge's grading failures)."""
-        kept = {f.name: unwrapped(f.fn).state_dict() for f in self.functions
-                if hasattr(unwrapped(f.fn), "state_dict")}
+        kept = {f.name: unwrapped(f.fn).state_dict() for f in self.functions if keeps_state(unwrapped(f.fn))}
         return {"errors": dict(self.errors), "timeouts": dict(self.timeouts), "functions": kept}
 
     def load_state_dict(self, state: dict[str, dict]) -> None:
         for key, counts in (("errors", self.errors), ("timeouts", self.timeouts)):
             counts.update({name: n for name, n in state.get(key, {}).items() if name in counts})
         for f in self.functions:
-            if f.name in state.get("functions", {}):
+            if f.name in state.get("functions", {}) and keeps_state(unwrapped(f.fn)):
                 unwrapped(f.fn).load_state_dict(state["functions"][f.name])
 
     def close(self) -> None:
