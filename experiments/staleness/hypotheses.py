@@ -22,9 +22,10 @@ from gspo_lab.report.runs import run_dirs
 from gspo_lab.report.stats import mean_interval
 
 STEP_MEANS = ("clip/frac", "off_policy/staleness_mean", "mismatch/seq_log_ratio_abs", "ratio/seq/max",
-              "behave/weight_mean", "behave/masked_frac", "reward/mean")
-KEYS = ("algorithm", "correction", "rollout.max_staleness", "clip_scale")
-DEFAULTS = {"clip_scale": "1"}
+              "behave/weight_mean", "behave/masked_frac", "reward/mean", "clip/frac_low", "clip/frac_high",
+              "ratio/seq/mean")
+KEYS = ("algorithm", "correction", "rollout.max_staleness", "clip_scale", "rollout.backend")
+DEFAULTS = {"clip_scale": "1", "rollout.backend": "hf"}
 
 
 def interval(values: list[float], digits: int = 3) -> str:
@@ -72,7 +73,7 @@ def paired(arms: dict, a: tuple, b: tuple, key: str) -> str:
 
 def main(root: str) -> None:
     arms = arms_of(Path(root))
-    print("| algorithm | correction | k | clip_scale | seeds | final | gain | " + " | ".join(STEP_MEANS) + " |")
+    print("| algorithm | correction | k | clip_scale | backend | seeds | final | gain | " + " | ".join(STEP_MEANS) + " |")
     for arm in sorted(arms, key=lambda a: (a[0], a[1], int(a[2]), float(a[3]))):
         runs = [arms[arm][s] for s in sorted(arms[arm])]
         means = " | ".join(f"{np.nanmean([r[k] for r in runs]):.4g}" for k in STEP_MEANS)
@@ -82,17 +83,23 @@ def main(root: str) -> None:
     for algorithm in ("gspo", "grpo"):
         for correction in ("bypass", "decoupled"):
             for k in ("1", "2", "4", "8"):
-                arm, base = (algorithm, correction, k, "1"), (algorithm, correction, "0", "1")
+                arm, base = (algorithm, correction, k, "1", "hf"), (algorithm, correction, "0", "1", "hf")
                 print(f"H1 {algorithm} {correction} k={k} - k=0, final: {paired(arms, arm, base, 'final')}")
         for k in ("0", "1", "2", "4", "8"):
-            arm, base = (algorithm, "decoupled", k, "1"), (algorithm, "bypass", k, "1")
+            arm, base = (algorithm, "decoupled", k, "1", "hf"), (algorithm, "bypass", k, "1", "hf")
             print(f"H3 {algorithm} k={k} decoupled - bypass, final: {paired(arms, arm, base, 'final')}; "
                   f"clip/frac: {paired(arms, arm, base, 'clip/frac')}")
     for correction in ("bypass", "decoupled"):
         print(f"H4 k=8 {correction} grpo - gspo, gain: "
-              f"{paired(arms, ('grpo', correction, '8', '1'), ('gspo', correction, '8', '1'), 'gain')}")
+              f"{paired(arms, ('grpo', correction, '8', '1', 'hf'), ('gspo', correction, '8', '1', 'hf'), 'gain')}")
         print(f"H5 k=8 {correction} gspo clip x10 - x1, final: "
-              f"{paired(arms, ('gspo', correction, '8', '10'), ('gspo', correction, '8', '1'), 'final')}")
+              f"{paired(arms, ('gspo', correction, '8', '10', 'hf'), ('gspo', correction, '8', '1', 'hf'), 'final')}")
+    # the follow-ups (2026-12-06): GSPO at k = 0, bypass - decoupled, by engine and band; seeds both arms have
+    for backend, scale in (("hf", "1"), ("hf", "30"), ("vllm", "1")):
+        arm, base = ("gspo", "bypass", "0", scale, backend), ("gspo", "decoupled", "0", scale, backend)
+        print(f"F {backend} clip_scale={scale} k=0 gspo bypass - decoupled, final: {paired(arms, arm, base, 'final')}; "
+              + "; ".join(f"{key}: {paired(arms, arm, base, key)}" for key in
+                          ("clip/frac_low", "clip/frac_high", "ratio/seq/mean")))
 
 
 if __name__ == "__main__":
