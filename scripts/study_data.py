@@ -24,7 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from gspo_lab.report.run import open_metrics
+from gspo_lab.report.run import has_metrics, open_metrics
 from gspo_lab.report.runs import run_dirs
 from gspo_lab.report.samples import sample_files
 
@@ -51,7 +51,7 @@ def export_run(run: Path, out: Path) -> None:
         if (run / name).is_file():
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(run / name, out / name)
-    if (run / "metrics.csv").is_file() or (run / "metrics.csv.gz").is_file():
+    if has_metrics(run):
         with open_metrics(run) as source, gzip.GzipFile(out / "metrics.csv.gz", "wb", mtime=0) as packed, \
                 io.TextIOWrapper(packed, newline="") as target:
             reader = csv.DictReader(source)

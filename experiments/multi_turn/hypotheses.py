@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from gspo_lab.report.run import open_metrics
+from gspo_lab.report.run import has_metrics, open_metrics
 from gspo_lab.report.stats import mean_interval
 
 ENVIRONMENT_REWARD = "eval/heldout/reward/environment_reward/greedy"
@@ -61,7 +61,7 @@ def run_numbers(run: Path) -> dict[str, float]:
 def main(root: str) -> None:
     arms: dict[str, dict[int, dict]] = {}
     for run in sorted(Path(root).iterdir()):
-        if not any((run / name).exists() for name in ("metrics.csv", "metrics.csv.gz")):
+        if not has_metrics(run):
             continue
         overrides = yaml.safe_load(open(run / ".hydra/overrides.yaml"))
         seed = int(next(o for o in overrides if o.startswith("seed=")).split("=")[1])

@@ -21,10 +21,18 @@ LIBRARIES = ("gspo-lab", "torch", "transformers", "lightning", "hydra-core", "om
              "tokenizers")
 
 
+METRICS_FILES = ("metrics.csv", "metrics.csv.gz")  # as the run writes it; as a study commits it (study_data.py)
+
+
+def has_metrics(run_dir: str | Path) -> bool:
+    """Whether a run dir holds its metrics, in either form."""
+    return any((Path(run_dir) / name).is_file() for name in METRICS_FILES)
+
+
 def metrics_file(run_dir: str | Path) -> Path:
     """A run dir's metrics: metrics.csv as the run writes it, or metrics.csv.gz as a study commits it
     (scripts/study_data.py)."""
-    for name in ("metrics.csv", "metrics.csv.gz"):
+    for name in METRICS_FILES:
         if (Path(run_dir) / name).is_file():
             return Path(run_dir) / name
     raise FileNotFoundError(f"{Path(run_dir) / 'metrics.csv'}: no metrics.csv (the run has not logged a step yet), "
