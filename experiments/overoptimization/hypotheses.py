@@ -44,16 +44,21 @@ def windows(values: np.ndarray, width: int = WINDOW) -> np.ndarray:
     return values[: len(values) // width * width].reshape(-1, width).mean(axis=1)
 
 
+def curves(steps: dict[str, np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(proxy, gold, d) as window means of `width` steps, d the square root of the window's mean KL."""
+    return (windows(steps["proxy"], width), windows(steps["gold"], width),
+            np.sqrt(np.clip(windows(steps["kl"], width), 0.0, None)))
+
+
 def run_numbers(run: Path) -> dict:
     with open_metrics(run) as file:
         rows = list(csv.DictReader(file))
-    proxy, gold = windows(steps_of(rows, "reward/mean")), windows(steps_of(rows, "reward/gold"))
-    d = np.sqrt(np.clip(windows(steps_of(rows, "kl/to_initial")), 0.0, None))
+    steps = {key: steps_of(rows, metric) for key, metric in
+             (("proxy", "reward/mean"), ("gold", "reward/gold"), ("kl", "kl/to_initial"))}
+    proxy, gold, d = curves(steps, WINDOW)
+    fine = dict(zip(("proxy_fine", "gold_fine", "d_fine"), curves(steps, FINE)))
     evals = [float(r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") not in (None, "")]
     peak = int(gold.argmax())
-    fine = {f"{key}_fine": windows(steps_of(rows, metric), FINE) for key, metric in
-            (("proxy", "reward/mean"), ("gold", "reward/gold"), ("kl", "kl/to_initial"))}
-    fine["d_fine"] = np.sqrt(np.clip(fine.pop("kl_fine"), 0.0, None))
     return {"proxy": proxy, "gold": gold, "d": d, "peak_window": peak, **fine,
             "heldout_step25": evals[1] - evals[0], "peak_fine": int(fine["gold_fine"].argmax()),
             "over": bool(gold[-1] < gold[peak] - DROP and proxy[-1] > proxy[peak]),
@@ -139,7 +144,8 @@ def main() -> None:
     parser.add_argument("--figure", type=Path, default=None)
     args = parser.parse_args()
     arms = arms_of(args.runs)
-    columns = ("proxy_rise", "gold_first", "gold_best", "gold_final", "d_final", "heldout_final", "heldout_gain", "clip")
+    columns = ("proxy_rise", "gold_first", "gold_best", "gold_final", "d_final", "heldout_final", "heldout_gain",
+               "clip")
     print("| algorithm | beta | seeds | over-optimised | peak window | " + " | ".join(columns) + " |")
     print("|" + " --- |" * (5 + len(columns)))
     for arm in sorted(arms):
@@ -156,7 +162,7 @@ def main() -> None:
                   f"gold_final {paired(arms, arm, base, 'gold_final')}")
     for beta in (0.0, 0.04, 0.4):
         print(f"H3 beta={beta:g} gspo - grpo: d_final {paired(arms, ('gspo', beta), ('grpo', beta), 'd_final')}; "
-              f"peak window {paired(arms, ('gspo', beta), ('grpo', beta), 'peak_window', )}")
+              f"peak window {paired(arms, ('gspo', beta), ('grpo', beta), 'peak_window')}")
     print()
     for algorithm in ("gspo", "grpo"):
         if (algorithm, 0.0) in arms:
