@@ -1,5 +1,6 @@
 """scripts/study_data.py copies what gspo-report reads from a multirun: clocks left out of metrics.csv, 6 significant
-digits, gzipped (gspo-report reads it so), and with --by-number one folder per Hydra job number where an override's '/' nested Hydra's folder names."""
+digits, gzipped (gspo-report reads it so), and with --by-number one folder per Hydra job number where an override's
+'/' nested Hydra's folder names."""
 
 import gzip
 import sys

@@ -2,7 +2,8 @@
 answers, from gspo-eval's samples.jsonl (every completion, with its reference), one file per policy.
 
     gspo-eval checkpoint=<run dir> hydra.run.dir=<out>          # writes <out>/samples.jsonl
-    python experiments/overoptimization/probe.py ~/.cache/gspo-lab/reward_models/overoptimization <out>/samples.jsonl ...
+    python experiments/overoptimization/probe.py ~/.cache/gspo-lab/reward_models/overoptimization \
+        <out>/samples.jsonl ...
 
 Per file: the checker's accuracy; among the wrong answers, the share the proxy scores above the right answer to the
 same prompt (a wrong answer the proxy prefers to the truth is what optimising it finds); the mean proxy score of

@@ -73,7 +73,8 @@ def paired(arms: dict, a: tuple, b: tuple, key: str) -> str:
 
 def main(root: str) -> None:
     arms = arms_of(Path(root))
-    print("| algorithm | correction | k | clip_scale | backend | seeds | final | gain | " + " | ".join(STEP_MEANS) + " |")
+    print("| algorithm | correction | k | clip_scale | backend | seeds | final | gain | " + " | ".join(STEP_MEANS)
+          + " |")
     for arm in sorted(arms, key=lambda a: (a[0], a[1], int(a[2]), float(a[3]))):
         runs = [arms[arm][s] for s in sorted(arms[arm])]
         means = " | ".join(f"{np.nanmean([r[k] for r in runs]):.4g}" for k in STEP_MEANS)

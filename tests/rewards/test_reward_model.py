@@ -105,6 +105,7 @@ def test_a_folder_under_home_is_found_from_its_tilde_path(tmp_path, monkeypatch)
     scorer = RewardModel("~/models/rm")
     assert scorer.path == str(tmp_path / "models" / "rm") and scorer.__name__ == "rm"
 
+
 def test_a_run_trains_on_the_reward_models_scores(compose, rl_overrides, reward_model_dir, updated_batches):
     """reward=reward_model: the step's rewards are the model's scores of its completions (their mean is
     reward/mean), and the updates move the policy."""

@@ -79,12 +79,12 @@ class Judge:
             else:
                 AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as error:
-            raise ValueError(f"{key}.path={str(path)!r}: no causal LM there (a save_pretrained folder with its "
+            raise ValueError(f"{key}.path={path!r}: no causal LM there (a save_pretrained folder with its "
                              f"tokenizer, or a hub id in the local cache): {error}") from None
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if backend == "vllm":
-            self.engine = judge_engine(str(path), dtype, vllm, self.device, key)
+            self.engine = judge_engine(path, dtype, vllm, self.device, key)
         else:
             self.model.requires_grad_(False)
             self.model.to("cpu" if offload else self.device)
