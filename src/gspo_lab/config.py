@@ -215,6 +215,9 @@ class TrainConfig:
             in bfloat16. A vLLM engine computes its head in rollout.vllm.dtype (a warning says so).
         on_reward_error: "zero" scores a completion whose reward function raised 0 (reported and counted
             in reward/errors); "raise" stops the run.
+        failure_stop_frac: a round in which one reward function failed (raised or timed out) on at least this
+            share of the completions, or this share of the rows lost their environment, stops the run before its
+            update, with the first error and a checkpoint (gspo_lab.step.failures); 1.0: where no signal is left.
         kl_to_initial: log kl/to_initial every step, the KL from the initial policy (the cold start) measured on the
             rollout's tokens (one no-grad forward of a frozen copy of it, which objective.beta > 0 has anyway);
             null: where a reward function is learned (a reward model), whose over-optimisation is read against it.
@@ -234,11 +237,14 @@ class TrainConfig:
     max_consecutive_skips: int = 5
     lm_head_fp32: bool = False
     on_reward_error: str = "zero"
+    failure_stop_frac: float = 1.0
     kl_to_initial: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.on_reward_error in ("zero", "raise"), "train.on_reward_error", self.on_reward_error,
                  "must be one of ['zero', 'raise']")
+        _require(isinstance(self.failure_stop_frac, (int, float)) and 0 < self.failure_stop_frac <= 1,
+                 "train.failure_stop_frac", self.failure_stop_frac, "must be a share in (0, 1]")
         _require(self.kl_to_initial in (None, True, False), "train.kl_to_initial", self.kl_to_initial,
                  "must be null, true or false")
         for key in ("steps", "minibatches", "ckpt_every", "logprob_chunk_rows", "logprob_chunk_tokens",

@@ -47,6 +47,7 @@ from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
 from gspo_lab.sharding import is_sharded, shard
 from gspo_lab.step.collector import RolloutCollector
+from gspo_lab.step.failures import NoSignal, RunStopped
 from gspo_lab.step.metrics import across_ranks
 from gspo_lab.step.policy import PolicyForwards
 from gspo_lab.step.probe import MismatchProbe
@@ -55,7 +56,7 @@ from gspo_lab.step.updater import TooManySkippedUpdates, Updater, warn_half_prec
 from gspo_lab.tasks.base import Task
 from gspo_lab.tools import ToolRunner
 
-__all__ = ["RLModule", "TooManySkippedUpdates"]
+__all__ = ["NoSignal", "RLModule", "RunStopped", "TooManySkippedUpdates"]
 
 
 class RLModule(L.LightningModule):
@@ -106,7 +107,8 @@ class RLModule(L.LightningModule):
         # LoRA the same model with its adapters disabled
         self.lora = lora
         kl_penalty = getattr(objective, "beta", 0.0) > 0
-        self.rewards = rewards or WeightedRewards([RewardFunction(TaskReward(task))], on_error=train.on_reward_error)
+        self.rewards = rewards or WeightedRewards([RewardFunction(TaskReward(task))], None, train.on_reward_error,
+                                                  train.failure_stop_frac)
         learned = any(is_batched(f.fn) for f in self.rewards.functions)  # a reward model: over-optimisation to watch
         kl_to_initial = learned if train.kl_to_initial is None else train.kl_to_initial
         self.reference = frozen_copy(model) if (kl_penalty or kl_to_initial) and lora is None else None
@@ -242,7 +244,11 @@ class RLModule(L.LightningModule):
         evaluating = self.train_cfg.eval_every > 0
         metrics = self.evaluate(step) if evaluating and step % self.train_cfg.eval_every == 0 else {}
         started = time.perf_counter()
-        rollout = self.collector.collect(step, ranks)
+        try:
+            rollout = self.collector.collect(step, ranks)
+        except NoSignal as error:  # nothing trained this step: the weights are those before it
+            raise NoSignal(f"{error}\nCheckpoint of the weights before this step: {self.save_last_checkpoint()}; "
+                           "resume with ckpt_path=last once the failure is fixed.") from None
         rolled = time.perf_counter()
         metrics.update(rollout.metrics)
         metrics.update(self.updater.update(rollout.batch, self.optimizers(), ranks, step))

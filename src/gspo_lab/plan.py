@@ -66,7 +66,8 @@ def plan(cfg: DictConfig) -> Plan:
         backend = backend_class(parts["rollout"].backend)  # a name the registry has, its module imported
         model_source = instantiate(cfg.model)  # the model source checks its own settings; weights load later
         parts["prompt"] = instantiate(cfg.prompt)
-        parts["rewards"] = build_rewards(cfg.reward, parts["task"], parts["train"].on_reward_error)
+        parts["rewards"] = build_rewards(cfg.reward, parts["task"], parts["train"].on_reward_error,
+                                         parts["train"].failure_stop_frac)
         parts["evaluation"] = build_eval(cfg, parts["task"], parts["prompt"], parts["train"].on_reward_error)
         loggers = [instantiate(c) for c in cfg.get("logger", {}).values()]
         callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values()]

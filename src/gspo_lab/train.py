@@ -29,7 +29,7 @@ from gspo_lab.cold_start import policy_from_config
 from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import ContextTooLong
 from gspo_lab.models.lora import apply_lora
-from gspo_lab.module import RLModule, TooManySkippedUpdates
+from gspo_lab.module import RLModule, RunStopped
 from gspo_lab.plan import (ConfigError, Plan, check_precision, plan, resolve_checkpoint, warn_inexact_old_logprobs,
                            warn_latex_only_reward)
 from gspo_lab.report.run import plot_reward_curve, write_run_info
@@ -68,6 +68,11 @@ def build(cfg: DictConfig) -> tuple[Plan, RLModule, dict]:
         raise ConfigError(str(error)) from error
     module = RLModule(model, tokenizer, run.task, run.objective, run.advantage, run.optimizer, run.rollout,
                       run.train, run.routing, cfg.seed, lora, run.rewards, run.prompt, run.evaluation)
+    try:
+        module.collector.preflight()  # an environment whose reset() fails is refused before anything trains
+    except ValueError as error:
+        module.close()
+        raise ConfigError(str(error)) from error
     return run, module, cold_start
 
 
@@ -165,7 +170,7 @@ def main(cfg: DictConfig) -> float | None:
         if isinstance(error, Interrupted):
             print(f"gspo-train: {error}", file=sys.stderr)
             sys.exit(128 + error.signum)
-        if isinstance(error, TooManySkippedUpdates):
+        if isinstance(error, RunStopped):  # too many skipped updates, a step with no signal left
             print(f"gspo-train: {error}", file=sys.stderr)
             sys.exit(1)
         raise

@@ -63,7 +63,7 @@ def test_the_failure_count_is_kept_in_the_reward_state(judge_dir):
 @pytest.mark.parametrize("settings, message", [
     ({"mode": "vibes"}, r"mode='vibes' is invalid"),
     ({"backend": "sglang"}, r"backend='sglang' is invalid: must be hf or vllm"),
-    ({"backend": "vllm", "offload": True}, r"offload=true with reward.functions\[0\].backend=vllm"),
+    ({"backend": "vllm", "offload": True}, r"offload=true with reward\.functions\.0.backend=vllm"),
     ({"rubric": "Grade: {completion}"}, r"rubric=.* must hold \{prompt\} and \{completion\}"),
     ({"verdicts": {" yes": 1.0, " no": 0.0}}, r"both start with the same token"),
     ({"verdicts": {"y": 1.0}}, r"mode=logprob compares two verdicts"),
@@ -72,7 +72,7 @@ def test_what_cannot_grade_is_refused_naming_the_key(judge_dir, settings, messag
     with pytest.raises(ValueError, match=message):
         build_rewards({"functions": [{"_target_": "gspo_lab.rewards.Judge", "path": str(judge_dir), **settings}]},
                       None)
-    with pytest.raises(ValueError, match=r"reward.functions\[0\].path=.*no causal LM there"):
+    with pytest.raises(ValueError, match=r"reward\.functions\.0.path=.*no causal LM there"):
         build_rewards({"functions": [{"_target_": "gspo_lab.rewards.Judge", "path": str(judge_dir / "none")}]}, None)
 
 
@@ -116,12 +116,12 @@ def test_a_judge_on_vllm_needs_vllm_or_takes_rollout_vllms_settings(judge_dir):
     try:
         import vllm  # noqa: F401
     except ImportError:
-        with pytest.raises(ValueError, match=r"reward.functions\[0\].backend=vllm needs vLLM installed"):
+        with pytest.raises(ValueError, match=r"reward\.functions\.0.backend=vllm needs vLLM installed"):
             build_rewards({"functions": [entry]}, None)
         return
-    with pytest.raises(ValueError, match=r"reward.functions\[0\].vllm.cpu_kv_cache_gb=0"):
+    with pytest.raises(ValueError, match=r"reward\.functions\.0.vllm.cpu_kv_cache_gb=0"):
         build_rewards({"functions": [dict(entry, vllm={"cpu_kv_cache_gb": 0})]}, None)
-    with pytest.raises(ValueError, match=r"reward.functions\[0\].vllm.dtype is not a setting"):
+    with pytest.raises(ValueError, match=r"reward\.functions\.0.vllm.dtype is not a setting"):
         build_rewards({"functions": [dict(entry, vllm={"dtype": "bfloat16"})]}, None)
 
 

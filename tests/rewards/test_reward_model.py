@@ -55,11 +55,11 @@ def test_what_is_not_a_reward_model_is_refused_naming_the_key(reward_model_dir, 
     two = save_grader(tmp_path / "two", num_labels=2)
     for cfg, message in (
         ({"functions": [{"_target_": "gspo_lab.rewards.RewardModel", "path": str(two)}]},
-         r"reward.functions\[0\].path=.*its head has 2 labels"),
+         r"reward\.functions\.0.path=.*its head has 2 labels"),
         ({"functions": [{"_target_": "gspo_lab.rewards.RewardModel", "path": str(tmp_path / "none")}]},
-         r"reward.functions\[0\].path=.*no reward model there"),
+         r"reward\.functions\.0.path=.*no reward model there"),
         ({"functions": [{"_target_": "gspo_lab.rewards.RewardModel", "path": str(reward_model_dir),
-                         "batch_size": 0}]}, r"reward.functions\[0\].batch_size=0 is invalid"),
+                         "batch_size": 0}]}, r"reward\.functions\.0.batch_size=0 is invalid"),
     ):
         with pytest.raises(ValueError, match=message):
             build_rewards(cfg, None)

@@ -73,9 +73,9 @@ def test_names_follow_trl_a_function_a_partial_a_callable_class_or_a_given_name(
 
 
 def test_a_function_without_kwargs_or_a_bad_target_is_refused_at_start_up_by_name():
-    with pytest.raises(ValueError, match=r"reward.functions\[1\] \(no_kwargs\) must accept \*\*kwargs"):
+    with pytest.raises(ValueError, match=r"reward\.functions\.1 \(no_kwargs\) must accept \*\*kwargs"):
         build_rewards({"functions": [{"_target_": target("short")}, {"_target_": target("no_kwargs")}]}, task=None)
-    with pytest.raises(ValueError, match=r"reward.functions\[0\]._target_='tests.rewards.user_rewards.missing' cannot"):
+    with pytest.raises(ValueError, match=r"reward\.functions\.0._target_='tests.rewards.user_rewards.missing' cannot"):
         build_rewards({"functions": [{"_target_": target("missing")}]}, task=None)
     with pytest.raises(ValueError, match="reward.functions=\\[\\] must be a non-empty list"):
         build_rewards({"functions": []}, task=None)
@@ -213,7 +213,7 @@ def test_think_format_scores_a_completion_that_starts_inside_a_block_the_prompt_
 def test_a_function_needing_a_column_the_data_lacks_is_refused_at_start_up_naming_it():
     """TRL's accuracy_reward(completions, solution, **kwargs) on data without a solution column raised TypeError
     on every call, each scored 0: a run that trained on all-zero rewards."""
-    with pytest.raises(ValueError, match=r"reward.functions\[0\] \(needs_solution\) needs the parameter 'solution'"
+    with pytest.raises(ValueError, match=r"reward\.functions\.0 \(needs_solution\) needs the parameter 'solution'"
                                          r", which no call passes: the data's columns are answer"):
         build_rewards({"functions": [{"_target_": target("needs_solution")}]}, task=Arithmetic())
     with_solution = HFDataset(rows=[{"prompt": f"{i}+1=", "answer": str(i + 1), "solution": "s"} for i in range(30)])
@@ -221,15 +221,15 @@ def test_a_function_needing_a_column_the_data_lacks_is_refused_at_start_up_namin
 
 
 def test_a_misspelled_setting_and_a_column_replacing_a_setting_are_refused():
-    with pytest.raises(ValueError, match=r"reward.functions\[0\].latex_onyl is not a parameter of "
+    with pytest.raises(ValueError, match=r"reward\.functions\.0.latex_onyl is not a parameter of "
                                          r"gspo_lab.rewards.math_accuracy \(its parameters: .*latex_only\)"):
         build_rewards({"functions": [{"_target_": "gspo_lab.rewards.math_accuracy", "latex_onyl": False}]}, task=None)
-    with pytest.raises(ValueError, match=r"reward.functions\[0\].per_chars is not a parameter"):
+    with pytest.raises(ValueError, match=r"reward\.functions\.0.per_chars is not a parameter"):
         build_rewards({"functions": [{"_target_": target("LengthPenalty"), "per_chars": 0.5}]}, task=None)
     # a column of the data reaches every call as a keyword, which replaces a partial's bound keyword
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "max_length": 3} for i in range(30)]
     overlong = {"_target_": "gspo_lab.rewards.soft_overlong_punishment", "max_length": 8, "cache_length": 2}
-    with pytest.raises(ValueError, match=r"reward.functions\[0\].max_length=8: the data has a column 'max_length'"):
+    with pytest.raises(ValueError, match=r"reward\.functions\.0.max_length=8: the data has a column 'max_length'"):
         build_rewards({"functions": [overlong]}, task=HFDataset(rows=rows))
 
 

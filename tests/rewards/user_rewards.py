@@ -80,3 +80,19 @@ class CountsItsCopies:
 
     def __call__(self, completions, **kwargs):
         return [1.0] * len(completions)
+
+
+def always_raises(prompts, completions, **kwargs):
+    """A reward whose service is down: every call raises."""
+    raise TimeoutError("the reward service did not answer")
+
+
+class BrokenRewardModel:
+    """Scores all the completions in one call, as a reward model does (`batched`), and fails on every call, as one
+    without a chat template fails on conversational prompts."""
+
+    batched = True
+    __name__ = "broken_rm"
+
+    def __call__(self, prompts, completions, **kwargs):
+        raise ValueError("Cannot use chat template functions because tokenizer.chat_template is not set")

@@ -70,3 +70,48 @@ class CounterEnv:
 
     def get_reward(self) -> float:
         return 1.0 if self.count == 3 else 0.0
+
+
+class ResetFails:
+    """An environment whose reset always raises (refused before training)."""
+
+    def reset(self, **kwargs) -> None:
+        raise ConnectionError("the environment server refused the connection")
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+RESETS = []  # in a tool worker: the resets it ran
+
+
+class ResetFailsAfterFirst:
+    """An environment whose reset works once per worker process (the check before training), then always raises."""
+
+    def reset(self, **kwargs) -> None:
+        RESETS.append(1)
+        if len(RESETS) > 1:
+            raise ConnectionError(f"reset number {len(RESETS)} lost its server")
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+class RewardFails:
+    """An environment whose get_reward raises on rows whose answer is odd (`odd_only`) or on every row."""
+
+    def __init__(self, odd_only: bool = False):
+        self.odd_only, self.answer = odd_only, None
+
+    def reset(self, answer=None, **kwargs) -> None:
+        self.answer = answer
+
+    def get_reward(self) -> float:
+        if not self.odd_only or int(self.answer) % 2:
+            raise ZeroDivisionError(f"scoring answer {self.answer} divided by zero")
+        return 1.0
+
+
+class OddRewardFails(RewardFails):
+    def __init__(self):
+        super().__init__(odd_only=True)

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from gspo_lab.grading import guard
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300  # a worker's imports before its first call
 STDERR_TAIL = 2000  # characters of a dead worker's stderr its error quotes
+TRACEBACK_TAIL = 4000  # characters of a raised call's traceback its outcome keeps
 LIVENESS_S = 0.5  # how often a wait looks whether the worker process still lives
 
 
@@ -51,6 +53,7 @@ class Outcome:
     value: Any = None
     failure: str | None = None  # None, "error" or "timeout"
     detail: str = ""  # the exception's repr
+    traceback: str = ""  # where it was raised (the end of it: TRACEBACK_TAIL characters)
 
 
 def call_inline(fn: Callable, args: tuple, kwargs: dict) -> Outcome:
@@ -61,7 +64,7 @@ def call_inline(fn: Callable, args: tuple, kwargs: dict) -> Outcome:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as error:  # noqa: BLE001 - a user's function may raise anything
-        return Outcome(failure="error", detail=repr(error))
+        return Outcome(failure="error", detail=repr(error), traceback=traceback.format_exc()[-TRACEBACK_TAIL:])
 
 
 def serve(fd: int) -> None:

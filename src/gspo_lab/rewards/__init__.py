@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab.grading import GradingPool
 from gspo_lab.rewards.base import (
+    Failures,
     RewardContractError,
     RewardFunction,
     Scores,
@@ -47,7 +48,8 @@ from gspo_lab.rewards.reward_model import RewardModel
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "GradingPool", "Judge", "RewardContractError", "RewardFunction", "RewardModel", "Scores", "TaskReward", "WeightedRewards",
+    "Failures", "GradingPool", "Judge", "RewardContractError", "RewardFunction", "RewardModel", "Scores", "TaskReward",
+    "WeightedRewards",
     "boxed_match", "build_rewards", "check_signature", "environment_reward", "exact_match", "math_accuracy",
     "may_hang", "numeric_match", "reward_name", "soft_overlong_punishment", "think_format", "unwrapped",
 ]
@@ -56,7 +58,8 @@ __all__ = [
 CALL_ARGUMENTS = ("prompts", "completions", "completion_ids")  # what every call passes besides the columns
 
 
-def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero") -> WeightedRewards:
+def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero", failure_stop_frac: float = 1.0
+                  ) -> WeightedRewards:
     """The reward group's functions, each checked (importable, takes **kwargs, its settings its own parameters,
     its required parameters among the task's columns), weighted, with a grading pool when `num_workers` >= 1, or
     when it is null and a function can hang (`may_hang`). A class target is instantiated (given the task if its
@@ -72,7 +75,7 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero") -> Weigh
     items = [{"_target_": "gspo_lab.rewards.RewardModel", "path": item} if isinstance(item, str) else item
              for item in items]
     columns = None if task is None else task.columns()
-    functions = [_function(dict(item), task, columns, f"reward.functions[{i}]") for i, item in enumerate(items)]
+    functions = [_function(dict(item), task, columns, f"reward.functions.{i}") for i, item in enumerate(items)]
     num_workers, timeout_s = cfg.get("num_workers", 0), cfg.get("timeout_s", 10.0)
     hanging = [f.name for f in functions if may_hang(f.fn)]
     if num_workers is None:  # auto: a worker where a function can hang, else grading in this process
@@ -85,7 +88,7 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero") -> Weigh
                     "(sympy on model output) cannot be stopped; null or >= 1 grades in killable workers",
                     ", ".join(hanging))
     runner = GradingPool(num_workers, timeout_s) if num_workers else None
-    return WeightedRewards(functions, runner, on_error)
+    return WeightedRewards(functions, runner, on_error, failure_stop_frac)
 
 
 def may_hang(fn) -> bool:

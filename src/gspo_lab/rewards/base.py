@@ -97,6 +97,15 @@ class RewardFunction:
 
 
 @dataclass
+class Failures:
+    """The completions one reward function failed on (raised or timed out) in one `score` call, and the first
+    failure's message with its traceback."""
+
+    count: int
+    first: str
+
+
+@dataclass
 class Scores:
     """The rewards of N completions."""
 
@@ -104,6 +113,7 @@ class Scores:
     applies: Tensor  # [N] bool, some function applied (else the completion's advantage is 0)
     per_function: dict[str, Tensor]  # name -> [N] that function's rewards, NaN where it did not apply
     metrics: dict[str, float] = field(default_factory=dict)
+    failures: dict[str, Failures] = field(default_factory=dict)  # name -> its errors and timeouts in this call
 
     @property
     def components(self) -> Tensor:
@@ -122,7 +132,8 @@ class WeightedRewards:
 
     Counts of errors and timeouts are running totals (saved in checkpoints through `state_dict`)."""
 
-    def __init__(self, functions: Sequence[RewardFunction], runner=None, on_error: str = "zero") -> None:
+    def __init__(self, functions: Sequence[RewardFunction], runner=None, on_error: str = "zero",
+                 failure_stop_frac: float = 1.0) -> None:
         names = [f.name for f in functions]
         duplicated = sorted({n for n in names if names.count(n) > 1})
         if duplicated:
@@ -131,8 +142,10 @@ class WeightedRewards:
         if on_error not in ("zero", "raise"):
             raise ValueError(f"train.on_reward_error={on_error!r} must be one of ['zero', 'raise']")
         self.functions = list(functions)
+        self.keys = {f.name: f"reward.functions.{k}" for k, f in enumerate(self.functions)}  # name -> config key
         self.runner = runner
         self.on_error = on_error
+        self.failure_stop_frac = failure_stop_frac  # train.failure_stop_frac (gspo_lab.step.failures)
         self.errors = {f.name: 0 for f in self.functions}
         self.timeouts = {f.name: 0 for f in self.functions}
 
@@ -162,9 +175,10 @@ class WeightedRewards:
                 outcomes += self._split(f, call_inline(f.fn, (), arguments(range(n))), n, where)
             else:
                 outcomes += [next(done) for _ in range(n)]
-        per_function, metrics = {}, {}
+        per_function, metrics, failures = {}, {}, {}
         for k, f in enumerate(self.functions):
-            rewards = [self._value(f, outcomes[k * n + i], i, prompts, completions, where) for i in range(n)]
+            rewards = [self._value(f, outcomes[k * n + i], i, prompts, completions, where, failures)
+                       for i in range(n)]
             values = torch.tensor([math.nan if r is None else r for r in rewards], dtype=torch.float32)  # [N]
             per_function[f.name] = values
             applied = values[~values.isnan()]
@@ -180,7 +194,7 @@ class WeightedRewards:
         total = (stacked * weights).nansum(0)  # [N]; a function that did not apply adds nothing
         metrics["reward/errors"] = float(sum(self.errors.values()))
         metrics["reward/timeouts"] = float(sum(self.timeouts.values()))
-        return Scores(total, ~stacked.isnan().all(0), per_function, metrics)
+        return Scores(total, ~stacked.isnan().all(0), per_function, metrics, failures)
 
     @staticmethod
     def _split(f: RewardFunction, outcome: Outcome, n: int, where: Callable[[int], str]) -> list[Outcome]:
@@ -189,7 +203,10 @@ class WeightedRewards:
             return [outcome] * n
         return [Outcome([item]) for item in WeightedRewards._listed(f, outcome.value, n, f"{where(0)} and on")]
 
-    def _value(self, f: RewardFunction, outcome: Outcome, i: int, prompts, completions, where) -> float | None:
+    def _value(self, f: RewardFunction, outcome: Outcome, i: int, prompts, completions, where,
+               failures: dict[str, Failures]) -> float | None:
+        """Completion i's reward from `f`'s outcome; a failure scores 0, is counted (in `failures` too, with the
+        first one's message) and, the first time for `f`, logged with its text and traceback."""
         if outcome.failure is None:
             return self._checked(f, outcome.value, where(i))
         counts = self.errors if outcome.failure == "error" else self.timeouts
@@ -197,10 +214,12 @@ class WeightedRewards:
         message = (f"reward function {f.name} {what} "
                    f"({where(i)}); prompt {prompts[i]!r}, completion {completions[i]!r}")
         if self.on_error == "raise":
-            raise RuntimeError(f"{message} (train.on_reward_error=raise)")
+            raise RuntimeError(f"{message} (train.on_reward_error=raise)\n{outcome.traceback}".rstrip())
+        message = f"{message}\n{outcome.traceback}".rstrip()
         if counts[f.name] == 0:  # its first occurrence; the rest are counted in reward/<name>/errors or /timeouts
-            log.warning("%s; scored 0 (train.on_reward_error=zero), further ones are only counted", message)
+            log.warning("%s\nscored 0 (train.on_reward_error=zero); further ones are only counted", message)
         counts[f.name] += 1
+        failures.setdefault(f.name, Failures(0, message)).count += 1
         return 0.0
 
     @staticmethod

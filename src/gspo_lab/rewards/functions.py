@@ -31,12 +31,19 @@ THINK_OPENED = re.compile(r"^(?:(?!<think>).)*?</think>\s*\S", re.DOTALL)
 
 def environment_reward(prompts, completions, environment_reward=None, **kwargs) -> list[float | None]:
     """A multi-turn rollout's environment reward: what its environment's get_reward() returned at the end of
-    the trajectory (TRL's environment contract; gspo_lab.rollout.multi_turn), None where there is none.
+    the trajectory (TRL's environment contract; gspo_lab.rollout.multi_turn), None where there is none. Where
+    get_reward() raised, the rollout passes the error (EnvironmentRewardFailed), raised here: the reward's errors
+    count it.
 
     >>> environment_reward(["p", "p"], ["a", "b"], environment_reward=[0.7, None])
     [0.7, None]
     """
-    return list(environment_reward) if environment_reward is not None else [None] * len(completions)
+    if environment_reward is None:
+        return [None] * len(completions)
+    for value in environment_reward:
+        if isinstance(value, BaseException):
+            raise value
+    return list(environment_reward)
 
 
 def exact_match(prompts, completions, answer, **kwargs) -> list[float]:

@@ -46,7 +46,7 @@ class Judge:
                  verdicts: dict[str, float] | None = None, low: float = 0.0, high: float = 10.0,
                  max_new_tokens: int = 8, batch_size: int = 16, dtype: str = "float32", device: str | None = None,
                  offload: bool = False, backend: str = "hf", vllm: dict | None = None,
-                 key: str = "reward.functions[i]") -> None:
+                 key: str = "reward.functions.<i>") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         verdicts = {" yes": 1.0, " no": 0.0} if verdicts is None and mode == "logprob" else dict(verdicts or {})

@@ -35,7 +35,7 @@ class RewardModel:
 
     def __init__(self, path: str, tokenizer: str | None = None, batch_size: int = 32, max_length: int | None = None,
                  dtype: str = "float32", device: str | None = None, offload: bool = False,
-                 key: str = "reward.functions[i]") -> None:
+                 key: str = "reward.functions.<i>") -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         if not isinstance(batch_size, int) or batch_size < 1:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from gspo_lab.routing.trace import RoutingTrace
 from gspo_lab.tasks.base import Example
+from gspo_lab.tools.runner import EnvironmentRewardFailed
 
 
 @dataclass
@@ -171,5 +172,9 @@ def reward_inputs(examples: list[Example], completions: Completions, extra: dict
     for key in examples[0].meta if examples else ():
         columns[key] = [e.meta.get(key) for e in examples]
     if extra is not None and "environment_reward" in extra:
-        columns["environment_reward"] = [None if math.isnan(r) else r for r in extra["environment_reward"].tolist()]
+        failed = extra.get("environment_reward_failed", torch.zeros(len(examples))).tolist()
+        columns["environment_reward"] = [
+            EnvironmentRewardFailed("this row's environment's get_reward() raised (its first error is logged with "
+                                    "its traceback)") if bad else None if math.isnan(r) else r
+            for r, bad in zip(extra["environment_reward"].tolist(), failed)]
     return [e.prompt for e in examples], replies, ids, columns

@@ -27,6 +27,8 @@ NaN where there is none).
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 from dataclasses import replace
 
 import torch  # noqa: F401 - the doctests
@@ -36,9 +38,11 @@ from gspo_lab.rollout.completions import Generated
 from gspo_lab.rollout.sampling import draw_row_seeds
 from gspo_lab.rollout.trajectory import Trajectory, assemble
 from gspo_lab.tools import ToolCall, ToolRunner, Toolset, parse_tool_calls
-from gspo_lab.tools.runner import EnvironmentLost, call_environment, call_tool, finish_environment, start_environment
+from gspo_lab.tools.runner import (EnvironmentLost, call_environment, call_tool, drop_environment,
+                                   finish_environment, start_environment)
 from gspo_lab.tools.template import check_prefix_preserving, tool_suffix_ids
 
+log = logging.getLogger(__name__)
 TURN_SEED_STRIDE = 1_000_003  # turn t of row seed s samples from stream s + t * stride (t = 0: the row's own)
 
 
@@ -70,6 +74,21 @@ class MultiTurn:
         self.max_tool_calls, self.max_tool_response_tokens = max_tool_calls, max_tool_response_tokens
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.schemas = toolset.schemas()
+        self.first_errors: dict[str, str] = {}  # what failed ("reset", "get_reward", "lost") -> its first message
+
+    def _failed(self, what: str, outcome) -> None:
+        """Note an environment's failure; its first occurrence of each kind is logged with its text and traceback
+        (the rest are counted: tools/lost_frac, reward/<name>/errors)."""
+        if what in self.first_errors:
+            return
+        name = getattr(self.toolset.environment, "__name__", repr(self.toolset.environment))
+        verb = {"reset": "reset() failed", "get_reward": "get_reward() failed",
+                "lost": "was lost with its worker process"}[what]
+        message = f"task.environment={name}: {verb} ({outcome.failure}: {outcome.detail})"
+        if outcome.traceback:
+            message += f"\n{outcome.traceback.rstrip()}"
+        self.first_errors[what] = message
+        log.warning("%s\nits row is not trained on; further ones are only counted", message)
 
     @classmethod
     def of(cls, task, rollout, runner: ToolRunner, chat_template_kwargs: dict | None = None) -> MultiTurn | None:
@@ -139,6 +158,7 @@ class MultiTurn:
         for row, outcome in zip(rows, outcomes):
             if outcome.failure is not None:
                 row.lost = row.done = True
+                self._failed("reset", outcome)
             value = outcome.value
             observations.append(value if isinstance(value, str) else None)
         return observations
@@ -211,6 +231,7 @@ class MultiTurn:
                         row.failures += 1
                         if EnvironmentLost.__name__ in outcome.detail:
                             row.lost = row.done = True
+                            self._failed("lost", outcome)
                     result = (outcome.value if outcome.failure is None else  # TRL's message: {"error": ...}
                               str({"error": f"{outcome.failure}: {outcome.detail}"}))
                 messages.append({"role": "tool", "name": name or "unparsed", "content": self._cut(tokenizer, result)})
@@ -249,10 +270,29 @@ class MultiTurn:
         live = [n for n, row in enumerate(rows) if not row.lost]
         outcomes, _ = self.runner.run([(n, finish_environment, (rows[n].key,)) for n in live])
         for n, outcome in zip(live, outcomes):
-            if outcome.failure is not None:
-                rows[n].lost = EnvironmentLost.__name__ in outcome.detail or outcome.failure == "timeout"
-            elif outcome.value is not None:
-                rows[n].reward = outcome.value
+            if outcome.failure is None:
+                rows[n].reward = math.nan if outcome.value is None else outcome.value
+            elif EnvironmentLost.__name__ in outcome.detail or outcome.failure == "timeout":
+                rows[n].lost = True
+                self._failed("lost", outcome)
+            else:  # get_reward() raised: an error of the reward that reads it (environment_reward)
+                rows[n].reward_failed = True
+                self._failed("get_reward", outcome)
+
+    def preflight(self, example) -> None:
+        """Build and reset one environment on `example` (a training row) in a worker, before anything trains: a
+        reset() that fails there is refused now, with its error (ValueError), not met as lost rows."""
+        if self.toolset.environment is None:
+            return
+        key = f"{id(self)}-preflight"
+        columns = {"prompt": example.prompt, "answer": example.answer, **example.meta}
+        (outcome,), _ = self.runner.run([(0, start_environment, (key, self.toolset.environment, columns))])
+        self.runner.run([(0, drop_environment, (key,))])
+        if outcome.failure is not None:
+            name = getattr(self.toolset.environment, "__name__", repr(self.toolset.environment))
+            raise ValueError(f"task.environment={name}: reset() on the first training row failed before training "
+                             f"({outcome.failure}: {outcome.detail}); the row's columns were {sorted(columns)}"
+                             + (f"\n{outcome.traceback.rstrip()}" if outcome.traceback else ""))
 
     def close(self) -> None:
         self.runner.close()

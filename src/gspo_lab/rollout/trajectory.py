@@ -39,6 +39,7 @@ class Trajectory:
     done: bool = False
     lost: bool = False
     reward: float = math.nan
+    reward_failed: bool = False  # its environment's get_reward() raised
 
     def add(self, tokens: list[int], turn: int, logprobs: list[float] | None = None) -> None:
         self.tokens += tokens
@@ -84,6 +85,7 @@ def assemble(tokenizer, rows: list[Trajectory], tool_names: list[str]) -> Genera
         "turns": torch.tensor([float(max(r.turns, default=0)) for r in rows]),
         "lost": torch.tensor([float(r.lost) for r in rows]),
         "environment_reward": torch.tensor([r.reward for r in rows]),
+        "environment_reward_failed": torch.tensor([float(r.reward_failed) for r in rows]),
         **{f"tool_calls/{name}": torch.tensor([float(r.calls[name]) for r in rows]) for name in tool_names},
     }
     return Generated(completions, trace, extra)

@@ -29,6 +29,7 @@ from gspo_lab.rollout.sampling import draw_row_seeds
 from gspo_lab.rollout.rescore import Rescorer, SyncedTogether
 from gspo_lab.rollout.staleness import LaggedWeights
 from gspo_lab.routing import RoutingReplay
+from gspo_lab.step.failures import failure_reasons, stop_without_signal
 from gspo_lab.step.metrics import add_round
 from gspo_lab.step.policy import PolicyForwards
 from gspo_lab.step.probe import MismatchProbe
@@ -65,6 +66,12 @@ class RolloutCollector:
         self.version: int | None = None  # the weight version of the last rollout (stale rollouts only)
         self.gold = gold  # the task's checker beside a learned reward (reward/gold), or None
         self.kl_to_initial = kl_to_initial  # log kl/to_initial (the reference policy is the initial one)
+
+    def preflight(self) -> None:
+        """Build and reset the task's environment on the first training prompt in a tool worker, before anything
+        trains (gspo_lab.rollout.multi_turn.MultiTurn.preflight): a ValueError where reset() fails."""
+        if self.agent is not None:
+            self.agent.preflight(self.prompts.for_step(0, 0, 1, 0)[0])
 
     def collect(self, step: int, ranks: Ranks) -> Rollout:
         """This rank's rollout batch for RL step `step`, and its metrics."""
@@ -139,6 +146,9 @@ class RolloutCollector:
         grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
         generated, metrics = self.sample(grouped, step)
         scores = self.score(step, grouped, generated)
+        first_errors = self.agent.first_errors if self.agent is not None else {}
+        stop_without_signal(failure_reasons(scores, generated, self.rewards.failure_stop_frac, first_errors,
+                                            self.rewards.keys), ranks, step, self.rewards.failure_stop_frac)
         metrics.update({k: v for k, v in scores.metrics.items()
                         if sampling_round == 0 or k.endswith(("errors", "timeouts"))})
         rewards, applies, components = scores.total, scores.applies, scores.components

@@ -22,6 +22,7 @@ from gspo_lab.objectives import micro_batches
 from gspo_lab.objectives.entropy import EntropyCoefficient
 from gspo_lab.rollout import RolloutBatch
 from gspo_lab.routing import RoutingReplay
+from gspo_lab.step.failures import RunStopped
 from gspo_lab.step.metrics import combine, combine_micro_batches
 from gspo_lab.step.policy import PolicyForwards
 from gspo_lab.step.probe import FirstForwards, MismatchProbe
@@ -31,7 +32,7 @@ from gspo_lab.tensors import masked_mean, micro_slices
 log = logging.getLogger(__name__)
 
 
-class TooManySkippedUpdates(RuntimeError):
+class TooManySkippedUpdates(RunStopped):
     """Raised after `train.max_consecutive_skips` updates in a row were skipped for NaN/Inf."""
 
 

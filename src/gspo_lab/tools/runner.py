@@ -26,6 +26,11 @@ class EnvironmentLost(LookupError):
     """The row's environment is not in this worker: the worker that held it died."""
 
 
+class EnvironmentRewardFailed(RuntimeError):
+    """The row's environment's `get_reward()` raised: what `environment_reward` raises for the row, so the reward's
+    errors count it (the rollout logged the first such error with its traceback)."""
+
+
 def _value(result: Any) -> Any:
     return asyncio.run(result) if inspect.iscoroutine(result) else result
 
@@ -35,7 +40,18 @@ def start_environment(key: str, environment: type, columns: dict) -> Any:
     returns (None or a string that extends the prompt)."""
     instance = environment()
     _ENVIRONMENTS[key] = instance
-    return _value(instance.reset(**columns))
+    try:
+        return _value(instance.reset(**columns))
+    except BaseException:  # the row is lost: its instance is not kept
+        drop_environment(key)
+        raise
+
+
+def drop_environment(key: str) -> None:
+    """Let a row's environment go (its `close()` called where it has one), if this worker holds it."""
+    instance = _ENVIRONMENTS.pop(key, None)
+    if callable(getattr(instance, "close", None)):
+        _value(instance.close())
 
 
 def call_environment(key: str, method: str, arguments: dict) -> str:

@@ -46,6 +46,14 @@ def environment_methods(environment: type) -> list[str]:
             if not name.startswith("_") and name not in ENVIRONMENT_HOOKS]
 
 
+def method_of(environment: type, name: str) -> Callable:
+    """An environment's tool `name` as the model calls it: bound to a stand-in instance (no `self` in its schema),
+    or as it is where it is a static method (which has no `self` to drop)."""
+    if isinstance(inspect.getattr_static(environment, name), staticmethod):
+        return getattr(environment, name)
+    return types.MethodType(getattr(environment, name), object())
+
+
 @dataclass(frozen=True)
 class Toolset:
     """The tool functions and the environment class one task offers. `names`: every tool the model may call (the
@@ -58,10 +66,12 @@ class Toolset:
     def of(cls, tools, environment, where: str = "task") -> Toolset | None:
         """From `task.tools` (import paths or functions) and `task.environment` (an import path or a class); None
         when the task has neither (single-turn). Refuses what TRL's contract does not allow, naming the key."""
-        functions = tuple(imported(path, f"{where}.tools[{i}]") for i, path in enumerate(tools or ()))
+        if isinstance(tools, str):  # task.tools=my_module.my_tool: one tool, not a list of its characters
+            tools = [tools]
+        functions = tuple(imported(path, f"{where}.tools.{i}") for i, path in enumerate(tools or ()))
         for i, fn in enumerate(functions):
             if not callable(fn) or inspect.isclass(fn):
-                raise ValueError(f"{where}.tools[{i}]={fn!r} must be a function")
+                raise ValueError(f"{where}.tools.{i}={fn!r} must be a function")
         env = None if environment is None else imported(environment, f"{where}.environment")
         if env is not None:
             if not inspect.isclass(env):
@@ -75,7 +85,7 @@ class Toolset:
         names = toolset.names
         if len(set(names)) != len(names):
             raise ValueError(f"{where}.tools and {where}.environment name a tool twice: {names}")
-        toolset.schemas()  # every tool has type hints and a docstring, or the refusal names it now
+        toolset.schemas(where)  # every tool has type hints and a docstring, or the refusal names it and its key
         return toolset
 
     @property
@@ -83,19 +93,21 @@ class Toolset:
         methods = environment_methods(self.environment) if self.environment is not None else []
         return [fn.__name__ for fn in self.tools] + methods
 
-    def schemas(self) -> list[dict]:
+    def schemas(self, where: str = "task") -> list[dict]:
         """Each tool's JSON schema (transformers' `get_json_schema`): what the chat template lists for the model.
-        An environment's methods are read as bound methods, without `self`, and without building an instance."""
-        bound = [types.MethodType(getattr(self.environment, name), object())
-                 for name in (environment_methods(self.environment) if self.environment is not None else [])]
+        An environment's methods are read as bound methods, without `self`, and without building an instance. A
+        tool without one is refused, named with its key (`where`.tools.<i> or `where`.environment)."""
+        methods = environment_methods(self.environment) if self.environment is not None else []
+        keyed = [*((fn, f"{where}.tools.{i}") for i, fn in enumerate(self.tools)),
+                 *((method_of(self.environment, name), f"{where}.environment") for name in methods)]
         found = []
-        for fn in [*self.tools, *bound]:
+        for fn, key in keyed:
             try:
                 found.append(get_json_schema(fn))
             except Exception as error:  # noqa: BLE001 - transformers raises its own DocstringParsingException
-                raise ValueError(f"tool {fn.__name__!r}: no JSON schema from its signature and docstring ({error}); "
-                                 "give every argument a type hint and a Google-style docstring with an Args: "
-                                 "section, as transformers' chat templates need") from None
+                raise ValueError(f"{key}: tool {fn.__name__!r} has no JSON schema from its signature and docstring "
+                                 f"({error}); give every argument a type hint and a Google-style docstring with an "
+                                 "Args: section, as transformers' chat templates need") from None
         return found
 
     def is_environment_tool(self, name: str) -> bool:
