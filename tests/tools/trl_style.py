@@ -115,3 +115,24 @@ class RewardFails:
 class OddRewardFails(RewardFails):
     def __init__(self):
         super().__init__(odd_only=True)
+
+
+def undocumented(a, b):
+    return a + b
+
+
+class StaticTools:
+    """An environment with a static-method tool (no self: every parameter is the model's)."""
+
+    def reset(self, **kwargs) -> None:
+        return None
+
+    @staticmethod
+    def lookup(word: str, limit: int) -> str:
+        """Look a word up.
+
+        Args:
+            word: the word
+            limit: how many senses
+        """
+        return word[:limit]
