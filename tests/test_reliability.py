@@ -45,6 +45,10 @@ BAD_VALUES = {
     "rollout.engine.precision": st.sampled_from(["fp8", "int8"]),
     "rollout.engine.router_noise": st.sampled_from([-0.1, -2.0]),
     "rollout.engine.weight_bits": st.sampled_from([4, 16]),
+    "optimizer.weight_decay": st.sampled_from([-1.0, -0.01]),  # torch refused it at the first step, naming no key
+    "optimizer.betas": st.sampled_from([[1.5, 0.999], [0.9, -0.1]]),
+    "clip_scale": st.sampled_from([0.0, -1.0, -0.5]),  # ran silently for the objectives that ignore it
+    "train.failure_stop_frac": st.sampled_from([0.0, -0.5, 1.01]),
 }
 
 

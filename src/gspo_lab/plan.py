@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import ModelParallelStrategy
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab.eval_sets import build_eval
 from gspo_lab.objectives.micro_batches import check_splittable
@@ -61,8 +62,10 @@ def plan(cfg: DictConfig) -> Plan:
     """Validate the config by instantiating its light parts; raises ConfigError with key, value and rule."""
     try:
         check_advantage_settings(cfg.advantage)
+        check_clip_scale(cfg.get("clip_scale", 1.0))
         parts = {k: instantiate(cfg[k]) for k in ("rollout", "train", "routing", "task", "objective", "advantage",
                                                    "optimizer")}
+        check_optimizer(parts["optimizer"], cfg.optimizer)
         backend = backend_class(parts["rollout"].backend)  # a name the registry has, its module imported
         model_source = instantiate(cfg.model)  # the model source checks its own settings; weights load later
         parts["prompt"] = instantiate(cfg.prompt)
@@ -102,6 +105,26 @@ def plan(cfg: DictConfig) -> Plan:
     run_dir = Path(cfg.paths.output_dir)
     return Plan(run_dir, trainer, loggers, callbacks, model_source=model_source,
                 ckpt_path=resolve_checkpoint(cfg.get("ckpt_path"), run_dir), **parts)
+
+
+def check_clip_scale(clip_scale) -> None:
+    """clip_scale multiplies the clip ranges of the objectives that have one; the others ignore it, so a bad value
+    would run silently there."""
+    if isinstance(clip_scale, bool) or not (isinstance(clip_scale, (int, float)) and 0 < clip_scale < math.inf):
+        raise ValueError(f"clip_scale={clip_scale!r} is invalid: must be a finite number > 0 (it multiplies the "
+                         "objective's clip range)")
+
+
+def check_optimizer(optimizer, settings: DictConfig) -> None:
+    """Build the optimizer on one stand-in parameter, so a setting it refuses (weight_decay=-1) is refused now,
+    named by its key, not at the first step in torch's words."""
+    try:
+        optimizer([torch.nn.Parameter(torch.zeros(1))])
+    except (ValueError, TypeError) as error:
+        given = {k: v for k, v in OmegaConf.to_container(settings, resolve=True).items() if not k.startswith("_")}
+        named = [k for k in given if k in str(error) or k.rstrip("s") in str(error)] or list(given)  # betas: "beta"
+        keys = ", ".join(f"optimizer.{k}={given[k]!r}" for k in named)
+        raise ValueError(f"{keys} is invalid: {settings.get('_target_')} refused it ({error})") from None
 
 
 def check_multi_turn(task, rollout) -> None:
