@@ -127,3 +127,17 @@ def test_the_cold_starts_evaluations_send_its_checker_to_the_grading_worker_once
         assert len(sent) == 1 and [worker.known for worker in module.grader.workers] == [sent]
     finally:
         module.grader.close()
+
+
+def test_the_cold_starts_evaluation_keeps_the_runs_limits_on_tool_calls(compose, tiny):
+    """It built its multi-turn loop from a default RolloutConfig(), so rollout.max_tool_calls and
+    max_tool_response_tokens never reached it (sft.py)."""
+    cfg = compose(tiny + ["task=calculator", "model.config.max_position_embeddings=320", "rollout.max_tool_calls=1",
+                          "rollout.max_tool_response_tokens=5"])
+    task = instantiate(cfg.task)
+    model, tokenizer = instantiate(cfg.model).load(task)
+    module = SFTModule(model, tokenizer, task, SFTConfig(eval_size=4), 0, rollout=instantiate(cfg.rollout))
+    try:
+        assert (module.agent.max_tool_calls, module.agent.max_tool_response_tokens) == (1, 5)
+    finally:
+        module.tool_runner.close()

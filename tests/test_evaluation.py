@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from gspo_lab.eval_cli import EvalError, check_tokenizer, evaluate_checkpoint, run_config, run_dir_of
 from gspo_lab.eval_metrics import maj_at_k, pass_at_k
 from gspo_lab.eval_sets import build_eval, evaluation_backend
-from gspo_lab.evaluation import accuracy
+from gspo_lab.sft import accuracy
 from gspo_lab.tasks.checks import Checker
 from gspo_lab.models.builders import load_pretrained
 from gspo_lab.train import ConfigError, plan, train

@@ -29,6 +29,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab import CONFIG_DIR
+from gspo_lab.config import RolloutConfig
 from gspo_lab.loggers import quiet_libraries
 from gspo_lab.models.builders import ContextTooLong, fit_task
 from gspo_lab.prompts import PromptFormat
@@ -56,11 +57,11 @@ def cache_key(model_cfg: dict, task_cfg: dict, sft: SFTConfig, seed: int) -> str
 
 def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_dir: str | Path, accelerator="cpu",
                check: Callable[[Any, Any], None] | None = None, precision="32-true",
-               prompt: PromptFormat | None = None):
+               prompt: PromptFormat | None = None, rollout: RolloutConfig | None = None):
     """The SFT'd model and tokenizer, trained now (on one device of `accelerator`, at the trainer's `precision`)
     or loaded from the cache; plus the stage's info dict. `check(model, tokenizer)` runs once: on the freshly
     built model before any training, or on a cache hit. Demonstrations are formatted by `prompt` (default: the
-    prompt text as it is)."""
+    prompt text as it is); a task with tools evaluates with `rollout`'s limits on tool calls (the run's)."""
     entry = Path(cache_dir).expanduser() / key
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.parent / f"{key}.lock", "w") as lock:
@@ -73,18 +74,18 @@ def cold_start(model_source, task, sft: SFTConfig, seed: int, key: str, cache_di
                 check(model, tokenizer)
             return model, tokenizer, {**info, "cache_hit": True, "path": str(entry)}
         info = _train_and_save(model_source, task, sft, seed, entry, accelerator, check, precision,
-                               prompt or PromptFormat())
+                               prompt or PromptFormat(), rollout or RolloutConfig())
     model, tokenizer = model_source.load_from(entry)
     return model, tokenizer, {**info, "cache_hit": False, "path": str(entry)}
 
 
 def _train_and_save(model_source, task, sft: SFTConfig, seed: int, entry: Path, accelerator,
-                    check, precision, prompt: PromptFormat) -> dict[str, Any]:
+                    check, precision, prompt: PromptFormat, rollout: RolloutConfig) -> dict[str, Any]:
     L.seed_everything(seed, workers=True, verbose=False)
     model, tokenizer = model_source.load(task)
     if check is not None:
         check(model, tokenizer)
-    module = SFTModule(model, tokenizer, task, sft, seed, prompt.bind(tokenizer))
+    module = SFTModule(model, tokenizer, task, sft, seed, prompt.bind(tokenizer), rollout)
     trainer = L.Trainer(
         max_steps=sft.steps,
         accelerator=accelerator,
@@ -154,9 +155,13 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
         model_cfg["precision"] = precision
     if prompt != PromptFormat():  # demonstrations in another prompt format; the default keeps the key it had
         model_cfg["prompt"] = asdict(prompt)
+    rollout = instantiate(cfg.rollout) if "rollout" in cfg else RolloutConfig()
+    limits = {"max_tool_calls": rollout.max_tool_calls, "max_tool_response_tokens": rollout.max_tool_response_tokens}
+    if task.toolset is not None and limits != {"max_tool_calls": None, "max_tool_response_tokens": None}:
+        model_cfg["tool_limits"] = limits  # the evaluation that stops it early runs with them; the defaults keep the key
     key = cache_key(model_cfg, OmegaConf.to_container(cfg.task, resolve=True), sft, seed)
     model, tokenizer, info = cold_start(model_source, task, sft, seed, key, cfg.paths.cache_dir, accelerator, check,
-                                        precision, prompt)
+                                        precision, prompt, rollout)
     return model, tokenizer, {"enabled": True, **info}
 
 

@@ -31,17 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo_lab.config import RolloutConfig
 from gspo_lab.eval_metrics import maj_at_k, pass_at_k
 from gspo_lab.grading import GradingPool
-from gspo_lab.prompts import PromptFormat, Renderer
+from gspo_lab.prompts import Renderer
 from gspo_lab.rewards import WeightedRewards
 from gspo_lab.rollout.backend import RolloutBackend, Sampling
 from gspo_lab.rollout.completions import reward_inputs
 from gspo_lab.rollout.engine import RolloutEngine
-from gspo_lab.rollout.generation import generate
 from gspo_lab.rollout.multi_turn import MultiTurn, generate_rows
 from gspo_lab.rollout.trajectory import trajectories
 from gspo_lab.seeding import stream_seed
@@ -52,46 +50,6 @@ EVAL_SAMPLING = "eval_sampling"
 HELDOUT = "heldout"
 TOTALS = ("grading_failures",)  # metrics that are counts summed over ranks, not means over prompts
 log = logging.getLogger(__name__)
-
-
-def accuracy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    checker: Checker,
-    examples: list[Example],
-    max_new_tokens: int,
-    batch_size: int = 256,
-    temperature: float | None = None,
-    render: Renderer | None = None,
-    stop_token_ids: Sequence[int] = (),
-    grader: GradingPool | None = None,
-    agent: MultiTurn | None = None,
-) -> float:
-    """Fraction of `examples` a task's `checker` accepts; greedy unless a sampling temperature is given. Prompts
-    are formatted by `render` (gspo_lab.prompts; default: the prompt text as it is); the checker runs in `grader`'s
-    killable workers when given (a check that times out counts as wrong), else in this process. Pass the same
-    checker to every evaluation: a grading pool sends each checker, and so the task's data, to each worker once.
-    A task with tools runs `agent`'s multi-turn loop (gspo_lab.rollout.multi_turn) on `model`."""
-    if not examples:
-        raise ValueError(f"{type(checker.task).__name__}: no evaluation examples to score")
-    correct = 0
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        if agent is not None:
-            rendered = render or PromptFormat().bind(tokenizer)
-            sampling = Sampling(max_new_tokens, temperature or 1.0, greedy=temperature is None,
-                                stop_token_ids=tuple(stop_token_ids), add_special_tokens=rendered.add_special_tokens,
-                                share_prompts=False, logprobs=False)
-            completions = agent.generate(RolloutEngine(model, RolloutConfig()), tokenizer, rendered, chunk, sampling,
-                                         None).completions
-        else:
-            completions = generate(model, tokenizer,
-                                   render.texts(chunk) if render is not None else [e.prompt for e in chunk],
-                                   max_new_tokens, temperature=temperature or 1.0, greedy=temperature is None,
-                                   stop_token_ids=stop_token_ids,
-                                   add_special_tokens=render is None or render.add_special_tokens)
-        correct += sum(grade(checker, chunk, completions.texts, False, grader).correct)
-    return correct / len(examples)
 
 
 @dataclass

@@ -18,14 +18,12 @@ or another algorithm on the same seed, draws the same prompts and (while the wei
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 from typing import Callable
 
 import lightning as L
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from gspo_lab.config import RolloutConfig, RoutingConfig, TrainConfig
@@ -35,7 +33,7 @@ from gspo_lab.models.lm_head import fp32_lm_head
 from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.objectives import AdvantageEstimator, Objective
 from gspo_lab.prompts import PromptFormat
-from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards, unwrapped
+from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards, gold_reward
 from gspo_lab.rewards.base import is_batched
 from gspo_lab.rollout import PromptSchedule, StepTicks
 from gspo_lab.rollout.backend import build_backend
@@ -45,11 +43,11 @@ from gspo_lab.rollout.overlap import OverlapRollouts
 from gspo_lab.rollout.staleness import LaggedWeights
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
-from gspo_lab.sharding import is_sharded, shard
+from gspo_lab.sharding import is_sharded, refuse_non_finite, shard
 from gspo_lab.step.collector import RolloutCollector
 from gspo_lab.step.failures import NoSignal, RunStopped
-from gspo_lab.step.metrics import across_ranks
-from gspo_lab.step.policy import PolicyForwards
+from gspo_lab.step.metrics import across_ranks, rank_spread, reward_counts_across_ranks
+from gspo_lab.step.policy import PolicyForwards, frozen_copy
 from gspo_lab.step.probe import MismatchProbe
 from gspo_lab.step.ranks import Ranks
 from gspo_lab.step.updater import TooManySkippedUpdates, Updater, warn_half_precision_weights
@@ -175,18 +173,15 @@ class RLModule(L.LightningModule):
         return DataLoader(StepTicks(self.train_cfg.steps), batch_size=None)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(local(p)).all()]
-        if is_sharded(self.model):  # each rank holds its own shards: a bad one anywhere stops every rank
-            anywhere = self.trainer.strategy.reduce_boolean_decision(bool(bad), all=False)  # every rank calls it
-            bad = bad or (["another rank's shard"] if anywhere else [])
-        if bad:
-            raise FloatingPointError(f"refusing to write a checkpoint with non-finite weights in {bad[:5]}")
+        refuse_non_finite(self.model, self.trainer.strategy)
         checkpoint["rl_step"] = self.rl_step
         checkpoint["history"] = self.history
         checkpoint.update(self.updater.state_dict())  # consecutive_skips, entropy_control
         if self.lag is not None:  # the weight versions a resumed run still generates from
             checkpoint["lagged_weights"] = self.lag.state_dict()
-        checkpoint["rewards"] = self.reward_counts_of_all_ranks()  # running counts of reward errors and timeouts
+        # running counts of reward errors and timeouts, all ranks' (collective: every rank saves)
+        checkpoint["rewards"] = reward_counts_across_ranks(self.rewards, self.trainer.strategy,
+                                                           self.trainer.world_size, self.device)
         if self.lora is not None:  # the adapters only: the base weights come from the model source on resume
             self.lora.save_checkpoint(checkpoint, prefix="model.")
 
@@ -204,19 +199,6 @@ class RLModule(L.LightningModule):
             self.rewards.load_state_dict(counts["rewards"])
         elif counts.get("reward_errors"):  # a checkpoint written before the reward group: one total, one function
             self.rewards.errors[self.rewards.functions[0].name] = counts["reward_errors"]
-
-    def reward_counts_of_all_ranks(self) -> dict[str, dict]:
-        """The reward functions' running error and timeout counts (`WeightedRewards.state_dict`) summed over the
-        ranks, each of which counts its own completions, as they are logged, and the functions' own states (a
-        judge's failures) as this rank holds them; collective: every rank saves."""
-        state = self.rewards.state_dict()
-        if self.trainer.world_size == 1:
-            return state
-        counts = {kind: state[kind] for kind in ("errors", "timeouts")}  # the functions' own states: this rank's
-        summed = across_ranks({f"reward/{name}/{kind}": float(n) for kind, named in counts.items()
-                               for name, n in named.items()}, self.trainer.strategy, self.device)
-        return dict(state, **{kind: {name: int(summed[f"reward/{name}/{kind}"]) for name in named}
-                              for kind, named in counts.items()})
 
     def teardown(self, stage: str) -> None:
         self.close()
@@ -266,7 +248,7 @@ class RLModule(L.LightningModule):
         if self.rl_step == self.train_cfg.steps:
             final = self.evaluate(self.rl_step) if evaluating else {}
             if self.trainer.world_size > 1 and not is_sharded(self.model):  # replicas (DDP) must agree
-                final["params/rank_spread"] = self.rank_spread()
+                final["params/rank_spread"] = rank_spread(self.model, self.all_gather)
             if final:
                 self.log_step(self.rl_step, final)
             self.trainer.should_stop = True
@@ -281,12 +263,6 @@ class RLModule(L.LightningModule):
         checkpoint = Path(self.trainer.default_root_dir) / "checkpoints" / "last.ckpt"
         self.trainer.save_checkpoint(checkpoint)
         return checkpoint
-
-    def rank_spread(self) -> float:
-        """Largest difference of any parameter tensor's sum between ranks (0 when DDP keeps them identical)."""
-        sums = torch.stack([p.detach().double().sum() for p in self.model.parameters()])  # [n_tensors]
-        gathered = self.all_gather(sums)  # [world, n_tensors]
-        return (gathered - gathered[0]).abs().max().item()
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Every evaluation set's metrics (gspo_lab.evaluation; each rank scores its share of the prompts) and
@@ -319,26 +295,4 @@ class RLModule(L.LightningModule):
         for name, key in shown.items():
             if key in metrics:
                 self.log(name, metrics[key], prog_bar=True, logger=False, on_step=True, on_epoch=False)
-
-
-def gold_reward(task: Task, rewards: WeightedRewards) -> WeightedRewards | None:
-    """The task's own checker as reward/gold, beside rewards that do not include it (a reward model's proxy), graded
-    as they are (their pool, if any); None where they include it."""
-    if any(isinstance(unwrapped(f.fn), TaskReward) for f in rewards.functions):
-        return None
-    return WeightedRewards([RewardFunction(TaskReward(task), name="gold")], rewards.runner)
-
-
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `model` that never trains: no gradients, and the optimizer never sees it (it only gets
-    `self.model`'s parameters). It is saved in checkpoints, so a resumed run keeps the same reference."""
-    reference = copy.deepcopy(model)
-    reference.requires_grad_(False)
-    return reference
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP parameter, or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
 

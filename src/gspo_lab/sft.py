@@ -9,20 +9,24 @@ or above `target_accuracy`, or after `steps`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo_lab.config import RolloutConfig
-from gspo_lab.evaluation import accuracy
 from gspo_lab.grading import GradingPool
-from gspo_lab.tasks.checks import Checker
-from gspo_lab.prompts import Renderer
+from gspo_lab.prompts import PromptFormat, Renderer
+from gspo_lab.rollout.backend import Sampling
+from gspo_lab.rollout.engine import RolloutEngine
+from gspo_lab.rollout.generation import generate
 from gspo_lab.rollout.multi_turn import MultiTurn
+from gspo_lab.tasks.checks import Checker, grade
 from gspo_lab.seeding import SFT_DEMONSTRATIONS, stream_seed
-from gspo_lab.tasks.base import Task
+from gspo_lab.tasks.base import Example, Task
 from gspo_lab.tools import ToolRunner
 from gspo_lab.tools.template import demonstration_ids
 
@@ -125,6 +129,46 @@ class Demonstrations(IterableDataset):
         }
 
 
+def accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    checker: Checker,
+    examples: list[Example],
+    max_new_tokens: int,
+    batch_size: int = 256,
+    temperature: float | None = None,
+    render: Renderer | None = None,
+    stop_token_ids: Sequence[int] = (),
+    grader: GradingPool | None = None,
+    agent: MultiTurn | None = None,
+) -> float:
+    """Fraction of `examples` a task's `checker` accepts; greedy unless a sampling temperature is given. Prompts
+    are formatted by `render` (gspo_lab.prompts; default: the prompt text as it is); the checker runs in `grader`'s
+    killable workers when given (a check that times out counts as wrong), else in this process. Pass the same
+    checker to every evaluation: a grading pool sends each checker, and so the task's data, to each worker once.
+    A task with tools runs `agent`'s multi-turn loop (gspo_lab.rollout.multi_turn) on `model`."""
+    if not examples:
+        raise ValueError(f"{type(checker.task).__name__}: no evaluation examples to score")
+    correct = 0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        if agent is not None:
+            rendered = render or PromptFormat().bind(tokenizer)
+            sampling = Sampling(max_new_tokens, temperature or 1.0, greedy=temperature is None,
+                                stop_token_ids=tuple(stop_token_ids), add_special_tokens=rendered.add_special_tokens,
+                                share_prompts=False, logprobs=False)
+            completions = agent.generate(RolloutEngine(model, RolloutConfig()), tokenizer, rendered, chunk, sampling,
+                                         None).completions
+        else:
+            completions = generate(model, tokenizer,
+                                   render.texts(chunk) if render is not None else [e.prompt for e in chunk],
+                                   max_new_tokens, temperature=temperature or 1.0, greedy=temperature is None,
+                                   stop_token_ids=stop_token_ids,
+                                   add_special_tokens=render is None or render.add_special_tokens)
+        correct += sum(grade(checker, chunk, completions.texts, False, grader).correct)
+    return correct / len(examples)
+
+
 GRADING_TIMEOUT_S = 10.0  # one held-out check in the worker, as eval.grading_timeout_s's default
 
 
@@ -132,7 +176,7 @@ class SFTModule(L.LightningModule):
     """Next-token cross-entropy on demonstrations, with held-out greedy accuracy and early stopping."""
 
     def __init__(self, model, tokenizer, task: Task, config: SFTConfig, seed: int,
-                 render: Renderer | None = None) -> None:
+                 render: Renderer | None = None, rollout: RolloutConfig | None = None) -> None:
         super().__init__()
         self.model, self.tokenizer, self.task, self.config, self.seed = model, tokenizer, task, config, seed
         self.render = render
@@ -147,7 +191,8 @@ class SFTModule(L.LightningModule):
         self.agent = None
         if self.tool_runner is not None:
             kwargs = render.format.chat_template_kwargs if render is not None else {}
-            self.agent = MultiTurn.factory(RolloutConfig(), self.tool_runner, tokenizer, kwargs)(task)
+            # the run's limits on tool calls (rollout.max_tool_calls, max_tool_response_tokens), as RL evaluates
+            self.agent = MultiTurn.factory(rollout or RolloutConfig(), self.tool_runner, tokenizer, kwargs)(task)
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch, use_cache=False).loss  # no KV cache to build (and none under checkpointing)

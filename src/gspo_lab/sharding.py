@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from gspo_lab.decoder import decoder_of
@@ -55,3 +56,19 @@ def shard(model: PreTrainedModel, mesh: DeviceMesh) -> None:
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict on CPU; collective, so every rank must call it."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP parameter, or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def refuse_non_finite(model: torch.nn.Module, strategy) -> None:
+    """FloatingPointError where a weight is NaN or ±inf (a checkpoint is never written with one); under FSDP each rank
+    holds its own shards, so a bad one anywhere stops every rank (collective there: every rank calls it)."""
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(local(p)).all()]
+    if is_sharded(model):
+        anywhere = strategy.reduce_boolean_decision(bool(bad), all=False)
+        bad = bad or (["another rank's shard"] if anywhere else [])
+    if bad:
+        raise FloatingPointError(f"refusing to write a checkpoint with non-finite weights in {bad[:5]}")

@@ -1,7 +1,6 @@
 """The reward axis: TRL's contract, weights and None, names, refusals, and grading that survives bad verifiers."""
 
 import functools
-import math
 import subprocess
 import sys
 import time

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from gspo_lab.objectives.base import MaskedBatch, masked_mean
+from gspo_lab.objectives.interface import MaskedBatch
+from gspo_lab.tensors import masked_mean
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from gspo_lab.objectives.base import MaskedBatch, check_positive, clip_fractions, masked_mean
+from gspo_lab.objectives.interface import MaskedBatch, check_positive, clip_fractions
+from gspo_lab.tensors import masked_mean
 from gspo_lab.objectives.surrogates import clipped_min
 
 

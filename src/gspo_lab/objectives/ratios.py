@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from gspo_lab.objectives.base import MaskedBatch, Ratio, check_positive, clip_fractions
+from gspo_lab.objectives.interface import MaskedBatch, Ratio, check_positive, clip_fractions
 from gspo_lab.tensors import turn_mean
 
 

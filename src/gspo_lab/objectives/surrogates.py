@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gspo_lab.objectives.base import MaskedBatch, check_positive, clip_fractions, masked_mean
+from gspo_lab.objectives.interface import MaskedBatch, check_positive, clip_fractions
+from gspo_lab.tensors import masked_mean
 
 
 def check_clip_range(where: str, clip_low: float, clip_high: float) -> None:

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Failures", "GradingPool", "Judge", "RewardContractError", "RewardFunction", "RewardModel", "Scores", "TaskReward",
     "WeightedRewards",
-    "boxed_match", "build_rewards", "check_signature", "environment_reward", "exact_match", "math_accuracy",
+    "boxed_match", "build_rewards", "check_signature", "environment_reward", "exact_match", "gold_reward", "math_accuracy",
     "may_hang", "numeric_match", "reward_name", "soft_overlong_punishment", "think_format", "unwrapped",
 ]
 
@@ -163,3 +163,11 @@ def _check_required(fn, columns: list[str], where: str) -> None:
         raise ValueError(f"{where} ({reward_name(fn)}) needs the parameter {name!r}, which no call passes: the "
                          f"data's columns are {', '.join(columns)} (besides {', '.join(CALL_ARGUMENTS)}); map a "
                          "column to it (task.answer_column, or a column of that name) or choose another function")
+
+
+def gold_reward(task, rewards: WeightedRewards) -> WeightedRewards | None:
+    """The task's own checker as reward/gold, beside rewards that do not include it (a reward model's proxy), graded
+    as they are (their pool, if any); None where they include it."""
+    if any(isinstance(unwrapped(f.fn), TaskReward) for f in rewards.functions):
+        return None
+    return WeightedRewards([RewardFunction(TaskReward(task), name="gold")], rewards.runner)

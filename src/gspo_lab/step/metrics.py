@@ -120,3 +120,25 @@ def add_round(metrics: dict[str, float], more: dict[str, float]) -> None:
     value (the reward functions' running error counts) is the latest."""
     for key, value in more.items():
         metrics[key] = metrics.get(key, 0.0) + value if key.startswith("time/") else value
+
+
+def reward_counts_across_ranks(rewards, strategy, world_size: int, device: torch.device) -> dict[str, dict]:
+    """The reward functions' running error and timeout counts (`WeightedRewards.state_dict`) summed over the ranks,
+    each of which counts its own completions, as they are logged, and the functions' own states (a judge's failures)
+    as this rank holds them; collective: every rank calls it."""
+    state = rewards.state_dict()
+    if world_size == 1:
+        return state
+    counts = {kind: state[kind] for kind in ("errors", "timeouts")}  # the functions' own states: this rank's
+    summed = across_ranks({f"reward/{name}/{kind}": float(n) for kind, named in counts.items()
+                           for name, n in named.items()}, strategy, device)
+    return dict(state, **{kind: {name: int(summed[f"reward/{name}/{kind}"]) for name in named}
+                          for kind, named in counts.items()})
+
+
+def rank_spread(model: torch.nn.Module, all_gather) -> float:
+    """The largest difference of any parameter tensor's sum between ranks (0 where DDP keeps the replicas identical);
+    `all_gather`: Lightning's (collective: every rank calls it)."""
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()])  # [n_tensors]
+    gathered = all_gather(sums)  # [world, n_tensors]
+    return (gathered - gathered[0]).abs().max().item()

@@ -6,6 +6,7 @@ rows at a time, and whether prompts are shared.
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 
 import torch
@@ -83,3 +84,11 @@ class PolicyForwards:
         with torch.no_grad(), self.lora.disabled() if self.lora is not None else nullcontext():
             return torch.cat([self.logprobs(part, self.reference, share_prompts=True)[0]
                               for part in self.forward_parts(batch)])
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` that never trains (the KL reference): no gradients, and the optimizer never sees it (it only
+    gets the policy's parameters). It is saved in checkpoints, so a resumed run keeps the same reference."""
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference
