@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from gspo_lab.cold_start import policy_from_config
 from gspo_lab.train import ConfigError, build, plan, train
 from tests.numerics import RATIO_ROUNDING
-from tests.test_train import read_rows
+from tests.test_train import read_rows, without_timing
 
 
 @pytest.mark.slow
@@ -51,6 +51,22 @@ def test_the_tools_tokens_are_attended_and_out_of_the_loss(compose, tool_rl, tmp
         results.append((out.loss.item(), grad))
     assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
     assert results[0][1][tools].eq(0).all()
+
+
+@pytest.mark.slow
+def test_two_runs_of_one_seed_with_an_environment_that_draws_random_numbers_log_the_same_metrics(compose, tool_rl,
+                                                                                                 tmp_path):
+    """RandomStart draws its start in reset() and its reward in get_reward() with `random` (TRL's IncrementEnv doc
+    example): unseeded workers gave two seed=0 runs reward/mean 495,124 and 651,701. Seeded from the run's seed,
+    the step and the row, they log the same metrics.csv, timings aside, and the rows drew different numbers."""
+    overrides = tool_rl + ["task.environment=tests.tools.trl_style.RandomStart", "train.eval_every=100",
+                           "reward.functions=[{_target_: gspo_lab.rewards.environment_reward, weight: 1.0}]"]
+    runs = []
+    for name in ("a", "b"):
+        train(compose(overrides + [f"paths.output_dir={tmp_path / name}"]))
+        runs.append(read_rows(tmp_path / name))
+    assert len(runs[0]) >= 2 and without_timing(runs[0]) == without_timing(runs[1])
+    assert float(runs[0][0]["reward/environment_reward/std"]) > 0.05  # each row drew its own numbers
 
 
 R3 = ["algorithm=grpo", "routing.replay=r3", "rollout.logprobs_from_generation=true"]

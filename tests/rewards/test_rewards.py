@@ -321,3 +321,23 @@ def test_grading_sits_below_tasks_and_rewards():
             "print(sorted(m for m in sys.modules if m.startswith('gspo_lab.rewards')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["[]", "[]"]
+
+
+def test_an_environments_get_reward_is_a_reward_unless_the_list_names_it():
+    """TRL adds an environment's get_reward() as a reward by itself; here it was silently unused unless
+    reward=environment was given. An explicit environment_reward entry, of any weight, replaces the added one."""
+    from gspo_lab.tasks import GuessNumberTask
+
+    task = GuessNumberTask()
+    added = build_rewards({"functions": [{"_target_": "gspo_lab.rewards.TaskReward"}]}, task=task)
+    assert [(f.name, f.weight) for f in added.functions] == [("guess_number", 1.0), ("environment_reward", 1.0)]
+    examples = task.eval_examples()[:2]
+    scored = added.score([e.prompt for e in examples], ["8", "3"], [[1], [2]],
+                         {"answer": [e.answer for e in examples], "environment_reward": [0.5, 0.25]})
+    assert scored.per_function["environment_reward"].tolist() == [0.5, 0.25]
+    named = build_rewards({"functions": [{"_target_": "gspo_lab.rewards.TaskReward"},
+                                         {"_target_": "gspo_lab.rewards.environment_reward", "weight": 0.0}]},
+                          task=task)
+    assert [(f.name, f.weight) for f in named.functions] == [("guess_number", 1.0), ("environment_reward", 0.0)]
+    plain = build_rewards({"functions": [{"_target_": "gspo_lab.rewards.TaskReward"}]}, task=Arithmetic())
+    assert [f.name for f in plain.functions] == ["arithmetic"]  # no environment, nothing added

@@ -1,9 +1,13 @@
 """Tools and environments in killable workers (gspo_lab.tools.runner): raising, timing out and dying cost a call or
 the rows of one worker, never the run; an environment keeps its state across calls in its worker."""
 
-from gspo_lab.tools import ToolRunner
+import functools
+
+import pytest
+
+from gspo_lab.tools import ToolRunner, Toolset
 from gspo_lab.tools.runner import call_environment, call_tool, finish_environment, start_environment
-from tests.tools.trl_style import CounterEnv, add, explode, multiply, stall
+from tests.tools.trl_style import CounterEnv, RandomStart, Resets, Shouter, add, explode, multiply, stall
 
 
 def test_sync_and_async_tools_and_a_raising_one():
@@ -47,3 +51,68 @@ def test_an_environment_lives_in_its_worker_and_dies_with_it():
     assert crashed[0].failure == "error" and replaced == {runner.worker_of(1)}
     assert rewards[0].value == 1.0
     assert rewards[1].failure == "error" and "EnvironmentLost" in rewards[1].detail
+
+
+def test_a_seeded_reset_draws_the_same_numbers_in_any_worker_after_any_rows():
+    """random.randint in reset (TRL's IncrementEnv example): the draw is the seed's, whichever worker runs it and
+    whatever ran there before; other seeds draw other numbers."""
+    runner = ToolRunner(2, 10.0)
+    try:
+        first, _ = runner.run([(n, start_environment, (f"s/{n}", RandomStart, {}, seed))
+                               for n, seed in enumerate([7, 8, 9])])
+        again, _ = runner.run([(n, start_environment, (f"s/{n}", RandomStart, {}, seed))
+                               for n, seed in enumerate([9, 7, 8])])  # each seed now in another worker
+        rewards, _ = runner.run([(0, finish_environment, ("s/0", 3)), (1, finish_environment, ("s/1", 3))])
+    finally:
+        runner.close()
+    assert [o.value for o in again] == [first[2].value, first[0].value, first[1].value]
+    assert len({o.value for o in first}) == 3
+    starts = [int(o.value.split()[-1][:-1]) for o in again]  # " (the counter is at 123)"
+    # get_reward's draw is seed 3's in both workers: the rewards differ by their counters alone
+    assert rewards[0].value - rewards[1].value == pytest.approx((starts[0] - starts[1]) / 1000, abs=1e-12)
+
+
+def test_a_slot_keeps_its_instance_across_resets_and_closes_it_when_its_worker_stops(tmp_path):
+    """TRL builds its environments once and resets them: the second rollout resets the same instance; close() runs
+    for each instance when the runner closes (a functools.partial is the factory: Hydra's _partial_: true)."""
+    factory = functools.partial(Resets, str(tmp_path))
+    runner = ToolRunner(2, 10.0)
+    try:
+        firsts, _ = runner.run([(n, start_environment, (f"r/{n}", factory, {}, n)) for n in range(3)])
+        seconds, _ = runner.run([(n, start_environment, (f"r/{n}", factory, {}, n)) for n in range(3)])
+        assert not list(tmp_path.iterdir())  # nothing closed while the run goes on
+    finally:
+        runner.close()
+    assert [o.value for o in firsts] == ["1"] * 3 and [o.value for o in seconds] == ["2"] * 3
+    assert sorted(path.read_text() for path in tmp_path.iterdir()) == ["2"] * 3
+
+
+def test_an_async_tools_background_task_lives_across_calls():
+    """asyncio.run per call closed the loop that reset's reader task ran on: the tool then waited for ever."""
+    runner = ToolRunner(1, 5.0)
+    try:
+        started, _ = runner.run([(0, start_environment, ("a/0", Shouter, {}, 0))])
+        replies, _ = runner.run([(0, call_environment, ("a/0", "shout", {"text": "hi"}, 1)),
+                                 (0, call_environment, ("a/0", "shout", {"text": "again"}, 2))])
+    finally:
+        runner.close()
+    assert started[0].failure is None, started[0].detail
+    assert [(o.failure, o.value) for o in replies] == [(None, "HI"), (None, "AGAIN")]
+
+
+def test_a_lambda_or_a_function_builds_the_environment():
+    """TRL's environment_factory takes any callable: a lambda goes to the worker by value, a function by its import
+    path; the tools are the methods of what it builds."""
+    by_lambda = Toolset.of([], lambda: CounterEnv())
+    by_path = Toolset.of([], "tests.tools.trl_style.make_counter")
+    assert by_lambda.environment_class is by_path.environment_class is CounterEnv
+    assert by_lambda.names == by_path.names == ["crash", "increment"]
+    runner = ToolRunner(1, 10.0)
+    try:
+        started, _ = runner.run([(0, start_environment, ("l/0", by_lambda.environment, {"start": 2}, 0)),
+                                 (0, start_environment, ("p/0", by_path.environment, {"start": 1}, 0))])
+        stepped, _ = runner.run([(0, call_environment, ("l/0", "increment", {"step": 1}, 0))])
+    finally:
+        runner.close()
+    assert [o.value for o in started] == [" (the counter is at 2)", " (the counter is at 1)"]
+    assert stepped[0].value == "3"

@@ -2,7 +2,9 @@
 `environment_factory=CounterEnv`), with nothing of gspo-lab: they must work unchanged through task.tools and
 task.environment. Plus misbehaving ones for the failure tests."""
 
+import asyncio
 import os
+import random
 import time
 
 
@@ -136,3 +138,68 @@ class StaticTools:
             limit: how many senses
         """
         return word[:limit]
+
+
+class RandomStart:
+    """A counter that starts where `random.randint` says (TRL's IncrementEnv doc example draws so in reset), and a
+    reward that draws again: only seeded workers give two runs of one seed the same numbers."""
+
+    def reset(self, **kwargs) -> str:
+        self.count = random.randint(0, 1000)
+        return f" (the counter is at {self.count})"
+
+    def increment(self, step: int) -> str:
+        """Add to the counter.
+
+        Args:
+            step: how much to add
+        """
+        self.count += step
+        return str(self.count)
+
+    def get_reward(self) -> float:
+        return random.random() + self.count / 1000
+
+
+class Resets:
+    """Counts the resets of this instance, and writes `<marker>/closed-<n>` in close(): built by a partial
+    (Hydra's `_partial_: true`) that gives it the marker folder."""
+
+    def __init__(self, marker: str):
+        self.marker, self.resets = marker, 0
+
+    def reset(self, **kwargs) -> str:
+        self.resets += 1
+        return str(self.resets)
+
+    def close(self) -> None:
+        with open(os.path.join(self.marker, f"closed-{os.getpid()}-{id(self)}"), "w") as file:
+            file.write(str(self.resets))
+
+
+def make_counter() -> CounterEnv:
+    """A factory function (TRL's environment_factory takes any callable)."""
+    return CounterEnv()
+
+
+class Shouter:
+    """An async client whose reset starts a background reader task and whose tool talks to it through queues, as a
+    websocket client's reader does: the task must live across calls."""
+
+    async def reset(self, **kwargs) -> None:
+        self.inbox, self.outbox = asyncio.Queue(), asyncio.Queue()
+        self.reader = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            text = await self.inbox.get()
+            await self.outbox.put(text.upper())
+
+    async def shout(self, text: str) -> str:
+        """Say something loudly.
+
+        Args:
+            text: what to say
+        """
+        await self.inbox.put(text)
+        return await self.outbox.get()

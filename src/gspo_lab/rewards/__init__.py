@@ -74,6 +74,7 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero", failure_
     # TRL's form: a model path or id in the reward list is a reward model (AutoModelForSequenceClassification)
     items = [{"_target_": "gspo_lab.rewards.RewardModel", "path": item} if isinstance(item, str) else item
              for item in items]
+    items = with_environment_reward(items, task)
     columns = None if task is None else task.columns()
     functions = [_function(dict(item), task, columns, f"reward.functions.{i}") for i, item in enumerate(items)]
     num_workers, timeout_s = cfg.get("num_workers", 0), cfg.get("timeout_s", 10.0)
@@ -89,6 +90,22 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero", failure_
                     ", ".join(hanging))
     runner = GradingPool(num_workers, timeout_s) if num_workers else None
     return WeightedRewards(functions, runner, on_error, failure_stop_frac)
+
+
+def with_environment_reward(items: list, task) -> list:
+    """`items`, with the environment's get_reward() added at weight 1 where the task's environment has one and no
+    item reads it already (TRL adds it by itself). An `environment_reward` item of any weight, 0 included,
+    takes its place."""
+    toolset = getattr(task, "toolset", None)
+    if toolset is None or not callable(getattr(toolset.environment_class, "get_reward", None)):
+        return items
+    target = f"{environment_reward.__module__}.{environment_reward.__name__}"
+    if any(item.get("_target_") in (target, "gspo_lab.rewards.environment_reward") for item in items):
+        return items
+    log.info("task.environment=%s has get_reward(): added to the rewards as environment_reward, weight 1 (as "
+             "TRL adds it); an environment_reward entry in reward.functions, weight 0 included, replaces it",
+             toolset.environment_name)
+    return [*items, {"_target_": "gspo_lab.rewards.environment_reward", "weight": 1.0}]
 
 
 def may_hang(fn) -> bool:

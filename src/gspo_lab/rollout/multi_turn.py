@@ -2,8 +2,9 @@
 
 `MultiTurn.generate` runs the loop over any rollout backend (gspo_lab.rollout.backend), which continues from
 token ids:
-1. an environment per row is built and reset in a worker (TRL's `reset(**columns)`; a string it returns
-   extends the prompt); the prompt is rendered with the tools' schemas;
+1. each row's environment is reset in a worker (TRL's `reset(**columns)`; a string it returns extends the
+   prompt), the instance of the row's slot reused from the loop's earlier rollouts; every environment and tool
+   call is seeded from the row's seed (`environment_seed`); the prompt is rendered with the tools' schemas;
 2. the backend generates each active row's turn until its stop token, from the row's prompt and everything so
    far, with the row's seed for that turn (`turn_seeds`), so a row's samples do not depend on the batch, the
    ranks, or how many turns other rows took;
@@ -44,6 +45,7 @@ from gspo_lab.tools.template import check_prefix_preserving, tool_suffix_ids
 
 log = logging.getLogger(__name__)
 TURN_SEED_STRIDE = 1_000_003  # turn t of row seed s samples from stream s + t * stride (t = 0: the row's own)
+ENVIRONMENT_SEED_SALT = 0x5EED_0F_E4_71_2043  # an environment's seeds are not its row's sampling seeds
 
 
 def turn_seeds(row_seeds: Tensor, turn: int) -> Tensor:
@@ -56,6 +58,18 @@ def turn_seeds(row_seeds: Tensor, turn: int) -> Tensor:
     return (row_seeds + turn * TURN_SEED_STRIDE) % (2**63 - 1)
 
 
+def environment_seed(row_seed: int, turn: int = 0, call: int = 0) -> int:
+    """The seed of a row's environment and tool call `call` of its turn `turn` (reset and get_reward: turn 0 and
+    the turn after the last): a function of the row's seed (the run's seed, the step and the row) alone.
+
+    >>> environment_seed(5) == environment_seed(5), environment_seed(5) != environment_seed(6)
+    (True, True)
+    >>> len({environment_seed(5, 1, 0), environment_seed(5, 1, 1), environment_seed(5, 2, 0)})
+    3
+    """
+    return (row_seed ^ ENVIRONMENT_SEED_SALT) + turn * TURN_SEED_STRIDE + call * 7919 & (2**63 - 1)
+
+
 class MultiTurn:
     """The multi-turn loop for one task's `toolset`, its tools and environments run by `runner`.
 
@@ -66,7 +80,7 @@ class MultiTurn:
         chat_template_kwargs: what the prompt format passes to the chat template (prompt.chat_template_kwargs).
     """
 
-    _calls = itertools.count()
+    _agents = itertools.count()
 
     def __init__(self, toolset: Toolset, runner: ToolRunner, max_tool_calls: int,
                  max_tool_response_tokens: int | None, chat_template_kwargs: dict | None = None) -> None:
@@ -74,6 +88,8 @@ class MultiTurn:
         self.max_tool_calls, self.max_tool_response_tokens = max_tool_calls, max_tool_response_tokens
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.schemas = toolset.schemas()
+        # row n's environment lives in slot "<class>#<agent>/n" of its worker, reused by this loop's later rollouts
+        self.slots = f"{toolset.environment_name}#{next(self._agents)}" if toolset.environment is not None else ""
         self.first_errors: dict[str, str] = {}  # what failed ("reset", "get_reward", "lost") -> its first message
 
     def _failed(self, what: str, outcome) -> None:
@@ -81,7 +97,7 @@ class MultiTurn:
         (the rest are counted: tools/lost_frac, reward/<name>/errors)."""
         if what in self.first_errors:
             return
-        name = getattr(self.toolset.environment, "__name__", repr(self.toolset.environment))
+        name = self.toolset.environment_name
         verb = {"reset": "reset() failed", "get_reward": "get_reward() failed",
                 "lost": "was lost with its worker process"}[what]
         message = f"task.environment={name}: {verb} ({outcome.failure}: {outcome.detail})"
@@ -124,8 +140,10 @@ class MultiTurn:
         """One trajectory per example (repeat examples for groups), row n from the seeds of `row_seeds[n]`,
         `batch_size` rows per `generate` call (None: all); `routing` (gspo_lab.routing.RoutingReplay) records the
         engine's experts where the backend can, stitched into one trace of every row's whole trajectory."""
-        call = next(self._calls)
-        rows = [Trajectory([], f"{id(self)}-{call}-{n}") for n in range(len(examples))]
+        if row_seeds is None and not sampling.greedy:
+            row_seeds = draw_row_seeds(len(examples))
+        seeds = range(len(examples)) if row_seeds is None else row_seeds.tolist()  # greedy: the set is fixed
+        rows = [Trajectory([], f"{self.slots}/{n}", seed) for n, seed in enumerate(seeds)]
         observations = self._start(rows, examples)
         prompts: dict[tuple[int, str | None], list[int]] = {}  # a group's rows share a prompt unless reset differs
         for row, example, observation in zip(rows, examples, observations):
@@ -134,8 +152,6 @@ class MultiTurn:
                 text = render.text(example, observation=observation, tools=self.schemas)
                 prompts[key] = tokenizer(text, add_special_tokens=render.add_special_tokens)["input_ids"]
             row.prompt_ids = list(prompts[key])
-        if row_seeds is None and not sampling.greedy:
-            row_seeds = draw_row_seeds(len(rows))
         for turn in itertools.count(1):
             active = [n for n, row in enumerate(rows) if not row.done]
             if not active:
@@ -146,12 +162,12 @@ class MultiTurn:
         return assemble(tokenizer, rows, self.toolset.names)
 
     def _start(self, rows: list[Trajectory], examples: list) -> list[str | None]:
-        """Each row's environment built and reset in its worker; what reset returned (a row whose environment
-        failed to start is lost)."""
+        """Each row's environment reset (built where its slot has none) in its worker, from the row's seed; what
+        reset returned (a row whose environment failed to start is lost)."""
         if self.toolset.environment is None:
             return [None] * len(rows)
         columns = [{"prompt": e.prompt, "answer": e.answer, **e.meta} for e in examples]  # TRL: reset(**row)
-        calls = [(n, start_environment, (row.key, self.toolset.environment, row_columns))
+        calls = [(n, start_environment, (row.key, self.toolset.environment, row_columns, environment_seed(row.seed)))
                  for n, (row, row_columns) in enumerate(zip(rows, columns))]
         outcomes, _ = self.runner.run(calls)
         observations = []
@@ -208,9 +224,9 @@ class MultiTurn:
         """Run the calls of the rows in `waiting`, append their results as tokens."""
         jobs, results = [], {n: [] for n in waiting}
         for n in waiting:
-            for call in rows[n].pending:
+            for j, call in enumerate(rows[n].pending):
                 rows[n].calls[call.name or "unparsed"] += 1
-                job = self._job(n, rows[n], call)
+                job = self._job(n, rows[n], call, environment_seed(rows[n].seed, rows[n].rounds, j))
                 if isinstance(job, str):
                     rows[n].failures += 1
                     results[n].append((call.name, job))
@@ -244,16 +260,16 @@ class MultiTurn:
             row.messages += messages
             row.add(suffix, 0)
 
-    def _job(self, n: int, row: Trajectory, call: ToolCall):
-        """The worker call for one tool call, or the error message the model gets instead."""
+    def _job(self, n: int, row: Trajectory, call: ToolCall, seed: int):
+        """The worker call for one tool call, seeded `seed`, or the error message the model gets instead."""
         if call.error is not None:
             return str({"error": call.error})
         if self.toolset.is_environment_tool(call.name):
-            return (n, call_environment, (row.key, call.name, call.arguments))
+            return (n, call_environment, (row.key, call.name, call.arguments, seed))
         fn = self.toolset.function(call.name)
         if fn is None:
             return str({"error": f"no tool named {call.name!r}; the tools are {self.toolset.names}"})
-        return (n, call_tool, (fn, call.arguments))
+        return (n, call_tool, (fn, call.arguments, seed))
 
     def _cut(self, tokenizer, result: str) -> str:
         """A tool result cut at max_tool_response_tokens tokens."""
@@ -264,11 +280,13 @@ class MultiTurn:
             ids[: self.max_tool_response_tokens])
 
     def _finish(self, rows: list[Trajectory]) -> None:
-        """Each environment's reward (`get_reward()`), and the instance let go."""
+        """Each environment's reward (`get_reward()`); the instances stay in their slots for the next rollout."""
         if self.toolset.environment is None:
             return
         live = [n for n, row in enumerate(rows) if not row.lost]
-        outcomes, _ = self.runner.run([(n, finish_environment, (rows[n].key,)) for n in live])
+        outcomes, _ = self.runner.run([(n, finish_environment, (rows[n].key, environment_seed(rows[n].seed,
+                                                                                             rows[n].rounds + 1)))
+                                       for n in live])
         for n, outcome in zip(live, outcomes):
             if outcome.failure is None:
                 rows[n].reward = math.nan if outcome.value is None else outcome.value
@@ -284,12 +302,12 @@ class MultiTurn:
         reset() that fails there is refused now, with its error (ValueError), not met as lost rows."""
         if self.toolset.environment is None:
             return
-        key = f"{id(self)}-preflight"
+        key = f"{self.slots}/preflight"
         columns = {"prompt": example.prompt, "answer": example.answer, **example.meta}
-        (outcome,), _ = self.runner.run([(0, start_environment, (key, self.toolset.environment, columns))])
+        (outcome,), _ = self.runner.run([(0, start_environment, (key, self.toolset.environment, columns, 0))])
         self.runner.run([(0, drop_environment, (key,))])
         if outcome.failure is not None:
-            name = getattr(self.toolset.environment, "__name__", repr(self.toolset.environment))
+            name = self.toolset.environment_name
             raise ValueError(f"task.environment={name}: reset() on the first training row failed before training "
                              f"({outcome.failure}: {outcome.detail}); the row's columns were {sorted(columns)}"
                              + (f"\n{outcome.traceback.rstrip()}" if outcome.traceback else ""))

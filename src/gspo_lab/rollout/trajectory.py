@@ -23,7 +23,8 @@ class Trajectory:
     """One row's rollout so far."""
 
     prompt_ids: list[int]
-    key: str  # its environment's key in the worker
+    key: str  # its environment's slot in the worker
+    seed: int = 0  # its environment's and tools' calls are seeded from it (multi_turn.environment_seed)
     tokens: list[int] = field(default_factory=list)  # completion tokens: the model's and the tools'
     turns: list[int] = field(default_factory=list)  # t >= 1 on the model's tokens of turn t, 0 on the tools'
     logprobs: list[float] = field(default_factory=list)  # the engine's, 0 on the tools' tokens

@@ -6,20 +6,35 @@ instance lives in one worker for its row's whole rollout: row r's environment, a
 r mod `num_workers`, in a pool of its own. A worker that dies or is killed loses the environments it held: those
 rows end there, counted as lost, and are not trained on (their reward is None).
 
+As TRL keeps them, instances are built once and reset for each new row: a slot (a rollout's row n, `key`) keeps
+its instance across steps, the instance is rebuilt only where its worker was replaced or its reset raised, and
+each instance's `close()`, where it has one, runs when its worker stops (`ToolRunner.close()`, at the end of the
+run; a worker killed at a timeout closes nothing). Each worker runs one asyncio event loop for its whole life, in a
+thread of its own, so an async tool's background tasks (a websocket client's reader) live across calls. Every
+call is seeded: `random`, and numpy's and torch's global generators where the worker has imported them, start
+from the call's seed (gspo_lab.rollout.multi_turn.environment_seed), so a row's draws depend on the run's seed,
+the step and the row, not on the worker or the rows before it.
+
 The functions below run in the workers; they import nothing heavy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
+import pickle
+import random
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gspo_lab.grading.pool import GradingPool, Outcome
 
-_ENVIRONMENTS: dict[str, Any] = {}  # in a worker: row key -> its environment instance
+_ENVIRONMENTS: dict[str, Any] = {}  # in a worker: slot key -> its environment instance
+_LOOP: asyncio.AbstractEventLoop | None = None  # in a worker: the event loop every coroutine runs on
 
 
 class EnvironmentLost(LookupError):
@@ -31,45 +46,114 @@ class EnvironmentRewardFailed(RuntimeError):
     errors count it (the rollout logged the first such error with its traceback)."""
 
 
-def _value(result: Any) -> Any:
-    return asyncio.run(result) if inspect.iscoroutine(result) else result
+class ByValue:
+    """A factory that crosses to the workers by value (cloudpickle), where plain pickle sends only a reference
+    that the worker cannot import: a lambda, a function defined in a function or in `__main__`."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        import cloudpickle
+
+        return _by_value, (cloudpickle.dumps(self.fn),)
 
 
-def start_environment(key: str, environment: type, columns: dict) -> Any:
-    """Build a row's environment and reset it with the row's columns (TRL: `reset(**row)`); returns what reset
-    returns (None or a string that extends the prompt)."""
-    instance = environment()
-    _ENVIRONMENTS[key] = instance
+def _by_value(payload: bytes) -> ByValue:
+    return ByValue(pickle.loads(payload))
+
+
+def portable(factory: Callable) -> Callable:
+    """`factory` as it can be sent to a worker: itself where plain pickle takes it (a class, a module's function, a
+    functools.partial of one), else wrapped to go by value."""
     try:
-        return _value(instance.reset(**columns))
-    except BaseException:  # the row is lost: its instance is not kept
+        pickle.loads(pickle.dumps(factory))
+    except Exception:  # noqa: BLE001 - pickling raises many types
+        return ByValue(factory)
+    return factory
+
+
+def _value(result: Any) -> Any:
+    """`result`, awaited on this worker's event loop where it is awaitable (the loop, and what its tasks do, lives
+    between calls)."""
+    if not inspect.isawaitable(result):
+        return result
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+        threading.Thread(target=_LOOP.run_forever, name="tool-event-loop", daemon=True).start()
+
+    async def awaited():
+        return await result
+
+    return asyncio.run_coroutine_threadsafe(awaited(), _LOOP).result()
+
+
+def seeded(seed: int | None) -> None:
+    """Seed `random`, and numpy's and torch's global generators where this process has imported them."""
+    if seed is None:
+        return
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % 2**32)
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)
+
+
+def start_environment(key: str, factory: Callable, columns: dict, seed: int | None = None) -> Any:
+    """Reset slot `key`'s environment (built with `factory()` where the slot has none) with the row's columns
+    (TRL: `reset(**row)`), from `seed`; returns what reset returns (None or a string that extends the prompt). An
+    instance whose reset raised is closed and dropped: the slot builds a new one next time."""
+    if key not in _ENVIRONMENTS:
+        if not _ENVIRONMENTS:
+            atexit.register(close_environments)
+        _ENVIRONMENTS[key] = factory()
+    seeded(seed)
+    try:
+        return _value(_ENVIRONMENTS[key].reset(**columns))
+    except BaseException:  # the row is lost, and the instance's state unknown: it is not kept
         drop_environment(key)
         raise
 
 
 def drop_environment(key: str) -> None:
-    """Let a row's environment go (its `close()` called where it has one), if this worker holds it."""
+    """Let slot `key`'s environment go (its `close()` called where it has one), if this worker holds it."""
     instance = _ENVIRONMENTS.pop(key, None)
     if callable(getattr(instance, "close", None)):
         _value(instance.close())
 
 
-def call_environment(key: str, method: str, arguments: dict) -> str:
+def close_environments() -> None:
+    """Close every environment this worker holds (at its exit)."""
+    for key in list(_ENVIRONMENTS):
+        try:
+            drop_environment(key)
+        except Exception as error:  # noqa: BLE001 - one close that raises does not keep the others open
+            print(f"closing environment {key}: {error!r}", file=sys.stderr)
+
+
+def call_environment(key: str, method: str, arguments: dict, seed: int | None = None) -> str:
     if key not in _ENVIRONMENTS:
         raise EnvironmentLost(key)
+    seeded(seed)
     return str(_value(getattr(_ENVIRONMENTS[key], method)(**arguments)))
 
 
-def finish_environment(key: str) -> float | None:
-    """The row's reward from its environment's `get_reward()` (None where it has none), and the instance let go."""
+def finish_environment(key: str, seed: int | None = None) -> float | None:
+    """The row's reward from its environment's `get_reward()` (None where it has none); the instance stays in
+    its slot for the next row."""
     if key not in _ENVIRONMENTS:
         raise EnvironmentLost(key)
-    instance = _ENVIRONMENTS.pop(key)
-    get_reward = getattr(instance, "get_reward", None)
+    get_reward = getattr(_ENVIRONMENTS[key], "get_reward", None)
+    seeded(seed)
     return None if get_reward is None else float(_value(get_reward()))
 
 
-def call_tool(fn: Callable, arguments: dict) -> str:
+def call_tool(fn: Callable, arguments: dict, seed: int | None = None) -> str:
+    seeded(seed)
     return str(_value(fn(**arguments)))
 
 
