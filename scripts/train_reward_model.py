@@ -12,8 +12,9 @@
    the proxy is imperfect by a stated amount, as a reward model learned from human labels is.
 4. The reward model starts from the policy's own weights with a fresh one-label head
    (AutoModelForSequenceClassification, as TRL's reward modelling recipe starts from the SFT model) and trains
-   with TRL's RewardTrainer (Bradley-Terry loss) on the pairs, tokenized as `RewardModel` scores them: prompt +
-   completion, no special tokens, no EOS.
+   with TRL's RewardTrainer (Bradley-Terry loss) on the pairs, as `RewardModel` scores them (`scored_texts`): the
+   prompt reward functions get (the data's, not the policy's rendered input) and the completion, through the chat
+   template for conversations, no special tokens, no EOS.
 5. It is saved with its tokenizer to `--out`, and its pairwise accuracy is reported on the held-out prompts' pairs
    (true labels) and on the training pairs (against their true and their flipped labels), in `--out`/stats.json.
 """
@@ -31,12 +32,16 @@ import torch
 
 from gspo_lab import CONFIG_DIR
 from gspo_lab.rewards import RewardModel
+from gspo_lab.rewards.reward_model import scored_texts
+from gspo_lab.rollout.completions import reward_inputs
 from gspo_lab.rollout.backend import Sampling
 from gspo_lab.rollout.multi_turn import generate_rows
 
 
-def sampled_groups(module, prompts: int, group: int, seed: int) -> list[tuple[str, list[str], list[float]]]:
-    """(prompt text, completion texts, the checker's rewards) for `prompts` training prompts, `group` each."""
+def sampled_groups(module, prompts: int, group: int, seed: int) -> list[tuple[str | list, list, list[float]]]:
+    """(prompt, completions, the checker's rewards) for `prompts` training prompts, `group` each: the prompts and
+    completions as reward functions get them (gspo_lab.rollout.completions.reward_inputs), so the model trains on
+    the strings RewardModel later scores."""
     examples = module.task.examples("train", prompts, seed=seed)
     grouped = [example for example in examples for _ in range(group)]
     torch.manual_seed(seed)
@@ -45,11 +50,12 @@ def sampled_groups(module, prompts: int, group: int, seed: int) -> list[tuple[st
     with torch.no_grad():
         generated = generate_rows(module.engine, module.tokenizer, module.render, grouped, sampling, None, 256)
     texts = generated.completions.texts
+    given, replies, _, _ = reward_inputs(grouped, generated.completions, generated.extra)
     groups = []
     for i, example in enumerate(examples):
-        completions = texts[i * group : (i + 1) * group]
-        rewards = [float(module.task.reward(example, text)) for text in completions]
-        groups.append((module.render.text(example), completions, rewards))
+        rows = slice(i * group, (i + 1) * group)
+        rewards = [float(module.task.reward(example, text)) for text in texts[rows]]
+        groups.append((given[i * group], replies[rows], rewards))
     return groups
 
 
@@ -74,12 +80,13 @@ def accuracy(scorer: RewardModel, pairs: list[dict]) -> float:
 
 
 def tokenized(pairs: list[dict], tokenizer) -> list[dict]:
-    """TRL's processed form (chosen_ids, rejected_ids), as RewardModel tokenizes: no special tokens, no EOS."""
-    def ids(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    """TRL's processed form (chosen_ids, rejected_ids) of the strings RewardModel scores (scored_texts), tokenized
+    as it tokenizes them: no special tokens, no EOS."""
+    def ids(completions: str) -> list[list[int]]:
+        texts = scored_texts(tokenizer, [p["prompt"] for p in pairs], [p[completions] for p in pairs])
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    return [{"chosen_ids": ids(p["prompt"] + p["chosen"]), "rejected_ids": ids(p["prompt"] + p["rejected"])}
-            for p in pairs]
+    return [{"chosen_ids": c, "rejected_ids": r} for c, r in zip(ids("chosen"), ids("rejected"))]
 
 
 def main() -> None:

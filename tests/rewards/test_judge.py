@@ -76,6 +76,41 @@ def test_what_cannot_grade_is_refused_naming_the_key(judge_dir, settings, messag
         build_rewards({"functions": [{"_target_": "gspo_lab.rewards.Judge", "path": str(judge_dir / "none")}]}, None)
 
 
+def test_a_rubric_may_hold_braces_of_its_own(judge_dir):
+    """A rubric that asks for JSON passed the build check, then raised KeyError on every call (str.format read its
+    braces as fields), and every reward was 0. Only {prompt} and {completion} are filled in, and braces in a
+    completion stay as they are."""
+    rubric = 'Q: {prompt}\nA: {completion}\nReply as {"verdict": "y"} or {"verdict": "n"}\nV:'
+    judge = Judge(str(judge_dir), rubric=rubric, verdicts=YES_NO)
+    assert judge.grading_prompt("1+1=", "{prompt}") == 'Q: 1+1=\nA: {prompt}\nReply as {"verdict": "y"} or ' \
+                                                     '{"verdict": "n"}\nV:'
+    grades = judge(PROMPTS[:2], COMPLETIONS[:2])
+    assert all(0 < g < 1 for g in grades)
+
+
+# a chat template whose replies open with a thinking mark "[t]" unless enable_thinking=false puts it in the prompt
+THINKING = ("{%- set think = not (enable_thinking is defined and enable_thinking is false) -%}"
+            "{%- for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}[t]{% endif %}{{ m.content }}\n"
+            "{% endfor %}{% if add_generation_prompt %}<assistant>{% if not think %}[t]{% endif %}{% endif %}")
+
+
+def test_verdicts_are_checked_against_the_judges_chat_template(judge_dir, tmp_path):
+    """A chat judge's reply starts with "Yes" (no space) or its thinking mark, not " yes": the odds of the verdicts'
+    first tokens were read where the judge never puts them. Refused at start, naming the key; with thinking off
+    (chat_template_kwargs, which reach the template) the same verdicts are its replies' first tokens."""
+    for path in judge_dir.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    judge = Judge(str(tmp_path), verdicts=YES_NO)
+    judge.tokenizer.chat_template = THINKING
+    judge.tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"verdicts=.*starts with token .*\[.*chat_template_kwargs"):
+        Judge(str(tmp_path), verdicts=YES_NO, key="reward.functions.0")
+    thinking_off = Judge(str(tmp_path), verdicts=YES_NO, chat_template_kwargs={"enable_thinking": False})
+    assert thinking_off.grading_prompt("1+1=", "2").endswith("<assistant>[t]")
+    with pytest.raises(ValueError, match=r"reply 'y' starts with token 'y', not ' y'"):
+        Judge(str(tmp_path), verdicts={" y": 1.0, "n": 0.0}, chat_template_kwargs={"enable_thinking": False})
+
+
 def test_a_run_trains_on_the_judges_grades(compose, rl_overrides, judge_dir, updated_batches):
     """reward=judge: the step's rewards are the judge's verdict odds (in (0, 1), one call per round), reward/gold
     sits beside them, and the update moves the policy."""

@@ -203,3 +203,42 @@ def test_a_run_on_vllm_trains_on_the_reward_model(compose, rl_overrides, reward_
     run.trainer.fit(module)
     row = module.history[0]
     assert math.isfinite(row["reward/mean"]) and row["reward/std"] > 0 and 0 <= row["reward/gold"] <= 1
+
+
+def test_a_checkpoint_without_the_score_head_is_refused(tmp_path):
+    """A causal LM saved with num_labels=1 passed the label check and scored with a randomly initialised head; the
+    only sign was transformers' load report."""
+    causal = save_grader(tmp_path / "causal", causal=True, num_labels=1)
+    with pytest.raises(ValueError, match=r"reward\.functions\.0\.path=.*no weights for the score head \['score"):
+        build_rewards({"functions": [{"_target_": "gspo_lab.rewards.RewardModel", "path": str(causal)}]}, None)
+
+
+def test_chat_template_kwargs_reach_the_reward_models_template(reward_model_dir, tmp_path):
+    """prompt.chat_template_kwargs reached TRL's reward model and not this one's."""
+    scorer = RewardModel(str(reward_model_dir), chat_template_kwargs={"mood": "calm"})
+    scorer.tokenizer.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                                      "{% if mood is defined %}[{{ mood }}]{% endif %}")
+    texts = scorer.texts([[{"role": "user", "content": "1+1="}]], [[{"role": "assistant", "content": "2"}]])
+    assert texts == ["1+1=2[calm]"]
+
+
+def test_the_script_trains_on_the_strings_the_reward_model_scores(compose, rl_overrides, reward_model_dir):
+    """scripts/train_reward_model.py trained on the rendered prompt (template, chat template, system message) where
+    RewardModel scores the data's prompt: its pairs now hold the prompts reward functions get, and their tokens
+    are those of RewardModel's texts."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import train_reward_model as script
+
+    _, module, _ = build(compose(rl_overrides + ["prompt.template='Q: {prompt} A:'"]))
+    groups = script.sampled_groups(module, 3, 2, seed=0)
+    examples = module.task.examples("train", 3, seed=0)
+    assert [prompt for prompt, _, _ in groups] == [e.prompt for e in examples]  # not "Q: ... A:"
+    pairs = [{"prompt": prompt, "chosen": completions[0], "rejected": completions[1]}
+             for prompt, completions, _ in groups]
+    scorer = RewardModel(str(reward_model_dir))
+    ids = scorer.tokenizer(scorer.texts([p["prompt"] for p in pairs], [p["chosen"] for p in pairs]),
+                           add_special_tokens=False)["input_ids"]
+    assert [row["chosen_ids"] for row in script.tokenized(pairs, scorer.tokenizer)] == ids

@@ -35,6 +35,18 @@ from gspo_lab.rewards.reward_model import DTYPES
 
 NUMBER = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*\.?\s*$")  # the whole answer is one number
 RUBRIC = ("Question: {prompt}\nAnswer: {completion}\nIs the answer correct? Reply yes or no.\nVerdict:")
+FIELDS = re.compile(r"\{(prompt|completion)\}")
+
+
+def fill(rubric: str, prompt: str, completion: str) -> str:
+    """The rubric with `{prompt}` and `{completion}` filled in, in one pass: any other brace is text (a rubric that
+    asks for JSON), and braces in the prompt or the completion are never read as fields.
+
+    >>> fill('Q: {prompt} A: {completion} Reply as {"verdict": "yes"}', "1+1=", "{prompt}")
+    'Q: 1+1= A: {prompt} Reply as {"verdict": "yes"}'
+    """
+    values = {"prompt": prompt, "completion": completion}
+    return FIELDS.sub(lambda match: values[match.group(1)], rubric)
 
 
 class Judge:
@@ -46,7 +58,7 @@ class Judge:
                  verdicts: dict[str, float] | None = None, low: float = 0.0, high: float = 10.0,
                  max_new_tokens: int = 8, batch_size: int = 16, dtype: str = "float32", device: str | None = None,
                  offload: bool = False, backend: str = "hf", vllm: dict | None = None,
-                 key: str = "reward.functions.<i>") -> None:
+                 chat_template_kwargs: dict | None = None, key: str = "reward.functions.<i>") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         verdicts = {" yes": 1.0, " no": 0.0} if verdicts is None and mode == "logprob" else dict(verdicts or {})
@@ -68,6 +80,7 @@ class Judge:
                              f"(set its share with {key}.vllm.gpu_memory_utilization); offload is for hf")
         self.rubric, self.mode, self.verdicts, self.low, self.high = rubric, mode, verdicts, low, high
         self.max_new_tokens, self.batch_size, self.offload, self.key = max_new_tokens, batch_size, offload, key
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # enable_thinking=false for a Qwen3 judge
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         path = str(Path(str(path)).expanduser())  # a folder under ~; a hub id stays as it is
         self.__name__ = Path(path).name or path
@@ -92,7 +105,32 @@ class Judge:
         if mode == "logprob" and len(set(self.verdict_ids)) != 2:
             raise ValueError(f"{key}.verdicts={verdicts!r}: both start with the same token "
                              f"({self.verdict_ids[0]}), so their odds cannot be told apart; pick other words")
+        if mode == "logprob":
+            self.check_verdicts()
         self.failures = 0  # answers that were neither a verdict nor a number in range (mode=output)
+
+    def check_verdicts(self) -> None:
+        """Refuse verdicts whose first token is not the first token of the same reply after the judge's chat
+        template: a chat judge answers "Yes" (no space), or "<think>" first where thinking is on, and the odds of
+        " yes" there say nothing."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return
+        asked = [{"role": "user", "content": fill(self.rubric, "1+1=", "2")}]
+        opening = self.tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True,
+                                                     **self.chat_template_kwargs)
+        for word, token in zip(self.verdicts, self.verdict_ids):
+            whole = self.tokenizer.apply_chat_template(asked + [{"role": "assistant", "content": word.strip()}],
+                                                       tokenize=False, **self.chat_template_kwargs)
+            reply = whole[len(opening):] if whole.startswith(opening) else None
+            first = None if not reply else self.tokenizer(reply, add_special_tokens=False)["input_ids"][0]
+            if first != token:
+                seen = "cannot be told" if first is None else repr(self.tokenizer.convert_ids_to_tokens(first))
+                raise ValueError(
+                    f"{self.key}.verdicts={self.verdicts!r}: after the judge's chat template the reply "
+                    f"{word.strip()!r} starts with token {seen}, not {word!r}'s "
+                    f"{self.tokenizer.convert_ids_to_tokens(token)!r}, so the verdict odds would be read at the wrong "
+                    "token; give the verdicts as a reply starts them (e.g. {'Yes': 1.0, 'No': 0.0}), and where the "
+                    f"template opens a reply with <think>, set {self.key}.chat_template_kwargs.enable_thinking=false")
 
     def first_token(self, word: str) -> int:
         ids = self.tokenizer(word, add_special_tokens=False)["input_ids"]
@@ -102,11 +140,10 @@ class Judge:
 
     def grading_prompt(self, prompt, completion) -> str:
         """The rubric filled in, through the judge's chat template where it has one."""
-        text = self.rubric.format(prompt=text_of(prompt) if isinstance(prompt, list) else prompt,
-                                  completion=text_of(completion))
+        text = fill(self.rubric, text_of(prompt) if isinstance(prompt, list) else prompt, text_of(completion))
         if getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True, **self.chat_template_kwargs)
         return text
 
     def parse(self, answer: str) -> float | None:

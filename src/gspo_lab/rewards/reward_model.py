@@ -11,7 +11,8 @@ model scores alike here. Beyond TRL: `max_length` (longer inputs lose their star
 the model's last-token pooling reads, stays), `dtype`, `device` (null: the GPU where there is one, as the trainer)
 and `offload` (the model goes back to the host between calls, freeing the device for the step).
 
-Checked when built, naming the key: the folder or id loads, its head has one label; and at the first
+Checked when built, naming the key: the folder or id loads, its head has one label and its weights are in the
+checkpoint (a causal LM saved with num_labels=1 would score with a random head); and at the first
 conversational call, that the tokenizer has a chat template. It scores in the training process (reward.num_workers
 0): a grading worker would hold a copy of the model.
 """
@@ -35,7 +36,7 @@ class RewardModel:
 
     def __init__(self, path: str, tokenizer: str | None = None, batch_size: int = 32, max_length: int | None = None,
                  dtype: str = "float32", device: str | None = None, offload: bool = False,
-                 key: str = "reward.functions.<i>") -> None:
+                 chat_template_kwargs: dict | None = None, key: str = "reward.functions.<i>") -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -56,8 +57,15 @@ class RewardModel:
         if config.num_labels != 1:
             raise ValueError(f"{key}.path={self.path!r}: its head has {config.num_labels} labels; a reward model "
                              "scores with one (AutoModelForSequenceClassification, num_labels=1)")
-        self.model = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=1,
-                                                                        dtype=DTYPES[dtype]).eval()
+        self.model, loading = AutoModelForSequenceClassification.from_pretrained(
+            self.path, num_labels=1, dtype=DTYPES[dtype], output_loading_info=True)
+        prefix = f"{self.model.base_model_prefix}."
+        head = sorted(name for name in loading.get("missing_keys", ()) if not name.startswith(prefix))
+        if head:  # a causal LM saved with num_labels=1: its score head would be random
+            raise ValueError(f"{key}.path={self.path!r}: the checkpoint has no weights for the score head {head} "
+                             "(transformers would initialise it at random); is it a causal LM? A reward model is a "
+                             "sequence classifier trained with its head (scripts/train_reward_model.py)")
+        self.model.eval()
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or self.path)
         if self.tokenizer.pad_token_id is None:  # TRL's fallback
@@ -65,18 +73,12 @@ class RewardModel:
         self.model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
         self.tokenizer.truncation_side = "left"
         self.key = key
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.model.to("cpu" if offload else self.device)
 
     def texts(self, prompts: list, completions: list) -> list[str]:
-        """Each prompt with its completion, as the model reads them: a conversation through its tokenizer's chat
-        template, or the plain texts joined."""
-        if prompts and isinstance(prompts[0], list):
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError(f"{self.key}: the prompts are conversations and the reward model's tokenizer "
-                                 f"({self.tokenizer.name_or_path}) has no chat template; give one that has "
-                                 f"({self.key}.tokenizer) or plain prompts")
-            return [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
-        return [p + text_of(c) for p, c in zip(prompts, completions)]
+        """Each prompt with its completion, as the model reads them (`scored_texts`)."""
+        return scored_texts(self.tokenizer, prompts, completions, self.chat_template_kwargs, self.key)
 
     @torch.inference_mode()
     def __call__(self, prompts, completions, **kwargs) -> list[float]:
@@ -93,3 +95,18 @@ class RewardModel:
         if self.offload:
             self.model.to("cpu")
         return scores
+
+
+def scored_texts(tokenizer, prompts: list, completions: list, chat_template_kwargs: dict | None = None,
+                 key: str = "reward.functions.<i>") -> list[str]:
+    """Each prompt with its completion as a reward model reads them, scoring or in training
+    (scripts/train_reward_model.py): a conversation through the tokenizer's chat template, or the plain texts
+    joined. The prompts are what reward functions get (the data's prompts, not the policy's rendered input)."""
+    if prompts and isinstance(prompts[0], list):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"{key}: the prompts are conversations and the reward model's tokenizer "
+                             f"({tokenizer.name_or_path}) has no chat template; give one that has ({key}.tokenizer) "
+                             "or plain prompts")
+        return [tokenizer.apply_chat_template(p + c, tokenize=False, **(chat_template_kwargs or {}))
+                for p, c in zip(prompts, completions)]
+    return [p + text_of(c) for p, c in zip(prompts, completions)]
