@@ -130,6 +130,8 @@ class RolloutConfig:
                  f"must be one of {list(STALE_POLICIES)}")
         if self.async_mode == "overlap":
             self.check_overlap()
+        else:
+            self.check_lagged()
         _require(not (self.max_staleness and self.backend == "replay"), "rollout.max_staleness", self.max_staleness,
                  "recorded completions (rollout.backend=replay) have no weight version; use 0")
         _require(self.rescore in (None, *RESCORERS), "rollout.rescore", self.rescore,
@@ -159,6 +161,15 @@ class RolloutConfig:
         _require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), "rollout.stop_token_ids",
                  self.stop_token_ids, "must be a list of token ids (integers >= 0)")
         self.stop_token_ids = ids
+
+    def check_lagged(self) -> None:
+        """Settings of async_mode=overlap alone, refused under lagged mode, where they would do nothing: its rollout
+        is generated in the step from the version k steps back, so nothing is queued, waited for or dropped."""
+        _require(self.stale_policy == "wait", "rollout.stale_policy", self.stale_policy,
+                 "applies under rollout.async_mode=overlap only; async_mode=lagged generates each step's rollout "
+                 "from the weights k versions back and drops nothing (leave it at wait)")
+        _require(self.overlap.queue_size is None, "rollout.overlap.queue_size", self.overlap.queue_size,
+                 "applies under rollout.async_mode=overlap only; async_mode=lagged queues nothing (leave it null)")
 
     def check_overlap(self) -> None:
         """What async_mode=overlap needs of the other rollout settings: a vLLM engine generating whole single-round

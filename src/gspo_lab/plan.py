@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from gspo_lab.eval_sets import build_eval
 from gspo_lab.objectives.micro_batches import check_splittable
 from gspo_lab.rewards import build_rewards, math_accuracy, unwrapped
-from gspo_lab.rollout.backend import RunSettings, backend_class
+from gspo_lab.rollout.backend import RunSettings, backend_class, check_lagged
 from gspo_lab.rollout.rescore import check_rescore
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.tasks import HFDataset
@@ -92,6 +92,7 @@ def plan(cfg: DictConfig) -> Plan:
                                model_source, "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
                                isinstance(trainer.strategy, ModelParallelStrategy), trainer.num_nodes)
         backend.check(settings)
+        check_lagged(backend, parts["rollout"])
         if parts["rollout"].rescore not in (None, parts["rollout"].backend):  # the scoring engine's own refusals
             backend_class(parts["rollout"].rescore).check(settings)
         check_rescore(parts["rollout"])

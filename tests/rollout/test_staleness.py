@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from gspo_lab.rollout import token_logprobs
+from gspo_lab.rollout.engine import RolloutEngine
 from gspo_lab.rollout.staleness import LaggedWeights
-from gspo_lab.train import build
+from gspo_lab.train import ConfigError, build, plan
 
 TIMING = ("time/", "throughput/")
 
@@ -113,3 +114,32 @@ def test_the_decoupled_loss_trains_on_stale_rows(compose, fast_rl, tmp_path, upd
     assert abs(second["behave/approx_kl"]) > 100 * abs(first["behave/approx_kl"])
     assert not torch.equal(updated_batches[1].old_logp, updated_batches[1].rollout_logp)
     assert any(not torch.equal(a, b) for a, b in zip(starting.parameters(), module.model.parameters()))
+
+
+class SamplesTheTrainersModel(RolloutEngine):
+    """A backend of a user's own that generates from the trainer's model itself and has no copy to sync: it does
+    not declare samples_synced_weights."""
+
+    samples_synced_weights = False
+
+
+def test_lagged_mode_is_refused_for_a_backend_that_samples_the_trainers_model(compose, fast_rl, tmp_path):
+    """Such a backend reported staleness_max 2 while sampling the current weights: lagged mode reaches a backend
+    through its sync() alone."""
+    backend = f"{__name__}:SamplesTheTrainersModel"
+    with pytest.raises(ConfigError, match=r"rollout.max_staleness=2 with rollout.backend=.*SamplesTheTrainersModel "
+                                          r"does not declare samples_synced_weights = True"):
+        plan(compose(fast_rl + [f"rollout.backend='{backend}'", "rollout.max_staleness=2",
+                                "rollout.logprobs_from_generation=true", f"paths.output_dir={tmp_path}"]))
+    plan(compose(fast_rl + [f"rollout.backend='{backend}'", f"paths.output_dir={tmp_path}"]))  # k = 0: no lag
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("rollout.stale_policy=drop", r"rollout.stale_policy='drop' is invalid: applies under rollout.async_mode=overlap"),
+    ("rollout.overlap.queue_size=1", r"rollout.overlap.queue_size=1 is invalid: applies under rollout.async_mode="),
+])
+def test_overlaps_own_settings_are_refused_in_lagged_mode(setting, message, compose, fast_rl, tmp_path):
+    """They were accepted and did nothing."""
+    with pytest.raises(ConfigError, match=message):
+        plan(compose(fast_rl + [setting, "rollout.max_staleness=2", "rollout.logprobs_from_generation=true",
+                                f"paths.output_dir={tmp_path}"]))

@@ -89,10 +89,15 @@ class RolloutBackend(Protocol):
     serves_evaluation: whether evaluation generates through it under eval.engine=rollout (vLLM: its samples are
         the engine's); otherwise evaluation runs transformers on the trainer's model.
     dtype: the dtype it computes in, as evaluation records it (eval/engine_mantissa_bits).
+    samples_synced_weights: whether it samples from the weights its last `sync` took (a copy of its own: hf's
+        engine under rollout.max_staleness > 0, vLLM), not from the trainer's model as it is when it generates.
+        rollout.async_mode=lagged hands the lagged weights over through `sync` alone, so it refuses a backend that
+        does not declare True (its rows would be the current weights' while counted k versions old).
     """
 
     name: ClassVar[str]
     serves_evaluation: ClassVar[bool]
+    samples_synced_weights: ClassVar[bool]
 
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None: ...
 
@@ -133,6 +138,20 @@ def backend_class(name: str) -> type[RolloutBackend]:
         return getattr(importlib.import_module(module), cls)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"rollout.backend={name!r}: cannot import {cls} from {module} ({error})") from None
+
+
+def check_lagged(backend: type, rollout: RolloutConfig) -> None:
+    """rollout.async_mode=lagged reaches a backend through its `sync` only: refused for one that does not declare
+    `samples_synced_weights`."""
+    if rollout.max_staleness and rollout.async_mode == "lagged" and not getattr(backend, "samples_synced_weights",
+                                                                                False):
+        raise ValueError(
+            f"rollout.max_staleness={rollout.max_staleness} with rollout.backend={rollout.backend!r}: "
+            f"async_mode=lagged hands the lagged weights to the backend through its sync(), and "
+            f"{backend.__name__} does not declare samples_synced_weights = True (that it samples the weights of its "
+            "last sync, not the trainer's model as it is when it generates), so its rows could be the current "
+            "weights' while counted as stale; declare it where sync() copies the weights (docs/how-to/extend.md), "
+            "or use rollout.max_staleness=0")
 
 
 def build_backend(model: torch.nn.Module, rollout: RolloutConfig) -> RolloutBackend:

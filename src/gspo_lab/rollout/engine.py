@@ -78,6 +78,7 @@ class RolloutEngine:
 
     name: ClassVar[str] = "hf"
     serves_evaluation: ClassVar[bool] = False  # evaluation runs on the trainer's model, never on an engine copy
+    samples_synced_weights: ClassVar[bool] = True  # a copy of its own under rollout.max_staleness > 0
 
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.trainer_model, self.config = model, rollout.engine

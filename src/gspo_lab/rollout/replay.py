@@ -35,6 +35,7 @@ class ReplayBackend:
 
     name: ClassVar[str] = "replay"
     serves_evaluation: ClassVar[bool] = False  # evaluation samples from the policy itself
+    samples_synced_weights: ClassVar[bool] = False  # it samples no weights at all
 
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.model = model

@@ -147,6 +147,7 @@ class VLLMEngine:
 
     name: ClassVar[str] = "vllm"
     serves_evaluation: ClassVar[bool] = True
+    samples_synced_weights: ClassVar[bool] = True  # the engine holds the weights of its last sync
 
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         if not available():
