@@ -78,6 +78,21 @@ def test_micro_batches_give_the_mini_batchs_gradient_and_metrics(name, correctio
             assert metrics[key] == pytest.approx(value, rel=1e-12, abs=1e-13), (name, correction, size, key)
 
 
+@pytest.mark.parametrize("name", ["gspo", "grpo"])
+def test_the_decoupled_losss_metrics_are_the_mini_batchs(name, compose):
+    """behave/masked_frac under GSPO's sequence-level weights is a share of sequences: micro-batches combined it by
+    tokens (0.4 against the batch's 0.25 in the report)."""
+    cfg = compose([f"objective={name}", "objective.decoupled=true", "objective.behave_weight_cap=1.3",
+                   "rollout.logprobs_from_generation=false"])
+    objective = instantiate(cfg.objective)
+    _, whole = accumulated(objective, batch(), None)
+    assert 0 < whole["behave/masked_frac"] < 1
+    for size in (1, 2, 4):
+        _, metrics = accumulated(objective, batch(), size)
+        for key in ("behave/masked_frac", "behave/weight_mean", "behave/approx_kl"):
+            assert metrics[key] == pytest.approx(whole[key], rel=1e-12, abs=1e-13), (size, key)
+
+
 def test_a_per_micro_batch_token_mean_would_be_wrong(compose):
     """The classic bug, shown on DAPO's token mean: micro-batches normalised by their own token counts give
     another gradient (so the test above can fail)."""

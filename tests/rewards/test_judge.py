@@ -67,6 +67,7 @@ def test_the_failure_count_is_kept_in_the_reward_state(judge_dir):
     ({"rubric": "Grade: {completion}"}, r"rubric=.* must hold \{prompt\} and \{completion\}"),
     ({"verdicts": {" yes": 1.0, " no": 0.0}}, r"both start with the same token"),
     ({"verdicts": {"y": 1.0}}, r"mode=logprob compares two verdicts"),
+    ({"engine_timeout_s": 0}, r"engine_timeout_s=0 is invalid: must be a number > 0"),
 ])
 def test_what_cannot_grade_is_refused_naming_the_key(judge_dir, settings, message):
     with pytest.raises(ValueError, match=message):

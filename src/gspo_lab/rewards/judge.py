@@ -58,7 +58,8 @@ class Judge:
                  verdicts: dict[str, float] | None = None, low: float = 0.0, high: float = 10.0,
                  max_new_tokens: int = 8, batch_size: int = 16, dtype: str = "float32", device: str | None = None,
                  offload: bool = False, backend: str = "hf", vllm: dict | None = None,
-                 chat_template_kwargs: dict | None = None, key: str = "reward.functions.<i>") -> None:
+                 chat_template_kwargs: dict | None = None, engine_timeout_s: float = 600.0,
+                 key: str = "reward.functions.<i>") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         verdicts = {" yes": 1.0, " no": 0.0} if verdicts is None and mode == "logprob" else dict(verdicts or {})
@@ -75,6 +76,8 @@ class Judge:
             raise ValueError(f"{key}.dtype={dtype!r} is invalid: must be one of {list(DTYPES)}")
         if backend not in ("hf", "vllm"):
             raise ValueError(f"{key}.backend={backend!r} is invalid: must be hf or vllm")
+        if not (isinstance(engine_timeout_s, (int, float)) and engine_timeout_s > 0):
+            raise ValueError(f"{key}.engine_timeout_s={engine_timeout_s!r} is invalid: must be a number > 0")
         if backend == "vllm" and offload:
             raise ValueError(f"{key}.offload=true with {key}.backend=vllm: the judge's engine holds its own memory "
                              f"(set its share with {key}.vllm.gpu_memory_utilization); offload is for hf")
@@ -97,7 +100,7 @@ class Judge:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if backend == "vllm":
-            self.engine = judge_engine(path, dtype, vllm, self.device, key)
+            self.engine = judge_engine(path, dtype, vllm, self.device, key, engine_timeout_s)
         else:
             self.model.requires_grad_(False)
             self.model.to("cpu" if offload else self.device)
@@ -228,7 +231,8 @@ class Judge:
             self.engine.close()
 
 
-def judge_engine(path: str, dtype: str, settings: dict | None, device: torch.device, key: str):
+def judge_engine(path: str, dtype: str, settings: dict | None, device: torch.device, key: str,
+                 timeout_s: float = 600.0):
     """The judge's vLLM engine (not started yet), its settings checked as rollout.vllm's are, named by `key`."""
     from gspo_lab.engine_settings import VLLMConfig
     from gspo_lab.rewards.judge_engine import JudgeEngine
@@ -247,4 +251,4 @@ def judge_engine(path: str, dtype: str, settings: dict | None, device: torch.dev
         config = VLLMConfig(**settings)
     except ValueError as error:
         raise ValueError(str(error).replace("rollout.vllm", f"{key}.vllm")) from None
-    return JudgeEngine(path, dtype, config, device.type, key)
+    return JudgeEngine(path, dtype, config, device.type, key, timeout_s)

@@ -62,7 +62,7 @@ class JudgeEngine:
 
     def answer(self):
         return awaited(self.process, self.results, self.spec.timeout_s, f"{self.key} (backend=vllm): the judge's "
-                       "engine process", "JudgeEngine.timeout_s")
+                       "engine process", f"{self.key}.engine_timeout_s")
 
     def ask(self, kind: str, payload):
         if self.process is None:

@@ -200,8 +200,14 @@ def awaited(process, results, timeout_s: float, what: str, key: str):
 
 
 def stopped(process, requests) -> None:
-    """Ask a served process to stop (after what it is doing), and kill it if it has not within a minute."""
+    """Ask a served process to stop (after what it is doing), and kill it if it has not within a minute. A process
+    stopped by a signal (SIGSTOP, a debugger's ^Z) is continued first: else it never reads the request, and close()
+    waited the whole minute for it."""
     if process.is_alive():
+        try:
+            os.kill(process.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
         requests.put(("stop", None))
         process.join(timeout=60)
     if process.is_alive():

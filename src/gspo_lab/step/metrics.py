@@ -39,6 +39,8 @@ def metric_kind(objective, key: str) -> str:
     sequence_correction = getattr(objective, "rollout_correction", "none") in SEQUENCE_CORRECTIONS
     if key in ROW_MEANS or (sequence_correction and key in ("is/capped_frac", "is/masked_frac")):
         return "rows"  # a sequence-level correction counts each sequence once
+    if key == "behave/masked_frac" and getattr(getattr(objective, "ratio", None), "level", "token") == "sequence":
+        return "rows"  # the decoupled loss's sequence-level weights: a share of sequences
     return "tokens"
 
 
