@@ -110,11 +110,28 @@ def test_max_tool_calls_ends_a_row_without_running_its_last_calls(tok, runner):
 
 def test_the_length_budget_truncates_and_counts_the_tools_tokens(tok, runner):
     def forever(text):
-        return call("multiply", a=1, b=1)
+        return call("multiply", a=1, b=1) if text.count("</tool_response>") < 2 else "9" * 200
 
     out, _ = run(loop(runner), tok, forever, [Example("q", "x")], budget=100)
     c = out.completions
-    assert c.truncated[0] and int(c.completion_mask[0].sum()) <= 100
+    assert c.truncated[0] and int(c.completion_mask[0].sum()) == 100
+    assert out.extra["tool_calls"].tolist() == [2.0]  # both rounds' results counted in the budget
+
+
+def test_results_that_do_not_fit_are_rolled_back_and_the_row_kept_whole(tok, runner):
+    """TRL rolls back a tool result that leaves no room and keeps the row; it was marked truncated here, so
+    rollout.mask_truncated dropped rows that TRL trains on."""
+    def script(text):
+        return call("multiply", a=123456789, b=987654321) if "<tool_response>" not in text else "ok"
+
+    first = tok(call("multiply", a=123456789, b=987654321), add_special_tokens=False)["input_ids"]
+    budget = len(first) + 1 + 20  # the call and its stop token fit; the 18-digit result's region does not
+    out, _ = run(loop(runner), tok, script, [Example("q", "x")], budget=budget)
+    c = out.completions
+    assert not c.truncated[0] and out.extra["rolled_back"].tolist() == [1.0]
+    assert c.completion_ids[0, : int(c.completion_mask[0].sum())].tolist() == first + [tok.eos_token_id]
+    assert [m["role"] for m in c.messages[0]] == ["assistant"]  # no tool message: the result was not appended
+    assert out.extra["tool_calls"].tolist() == [1.0]
 
 
 def test_a_result_is_cut_at_max_tool_response_tokens(tok, runner):

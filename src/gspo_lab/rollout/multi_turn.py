@@ -12,8 +12,11 @@ token ids:
    `max_tool_response_tokens`, is rendered through the chat template's tool role and appended as tokens
    (gspo_lab.tools.template): earlier tokens are never re-tokenised;
 4. a row ends at a turn without tool calls, after `max_tool_calls` rounds of calls (TRL's
-   max_tool_calling_iterations; the last round's calls are not run), or when its length budget
-   (`max_new_tokens`, the model's and the tools' tokens together) runs out: then it is truncated.
+   max_tool_calling_iterations; the last round's calls are not run), when its tool results would leave no room
+   in its length budget (`max_new_tokens`, the model's and the tools' tokens together) for a turn after them:
+   then, as TRL does, the results are rolled back and the row ends at its last turn, whole (`rolled_back`, not
+   truncated, so rollout.mask_truncated keeps it), or when a turn of its own runs out of budget: then it is
+   truncated.
 
 The result is one `Completions` row per prompt whose completion holds every turn, with `turns` marking the
 model's tokens (t >= 1 in turn t) apart from the tools' (0): the loss, the ratio, |y|, entropy, KL and the mismatch
@@ -255,7 +258,7 @@ class MultiTurn:
                 continue
             suffix = tool_suffix_ids(tokenizer, messages, self.chat_template_kwargs)
             if len(row.tokens) + len(suffix) >= sampling.max_new_tokens:  # no room left for a turn after them
-                row.truncated = row.done = True
+                row.rolled_back = row.done = True  # TRL's: the results are not appended, the row ends whole
                 continue
             row.messages += messages
             row.add(suffix, 0)

@@ -37,6 +37,7 @@ class Trajectory:
     # ran every earlier position, the last token of each earlier turn included (NeMo-RL#3485's refresh)
     trace: tuple[Tensor, Tensor] | None = None
     truncated: bool = False
+    rolled_back: bool = False  # its last round's tool results did not fit its budget: not appended, the row ended
     done: bool = False
     lost: bool = False
     reward: float = math.nan
@@ -85,6 +86,7 @@ def assemble(tokenizer, rows: list[Trajectory], tool_names: list[str]) -> Genera
         "tool_failures": torch.tensor([float(r.failures) for r in rows]),
         "turns": torch.tensor([float(max(r.turns, default=0)) for r in rows]),
         "lost": torch.tensor([float(r.lost) for r in rows]),
+        "rolled_back": torch.tensor([float(r.rolled_back) for r in rows]),
         "environment_reward": torch.tensor([r.reward for r in rows]),
         "environment_reward_failed": torch.tensor([float(r.reward_failed) for r in rows]),
         **{f"tool_calls/{name}": torch.tensor([float(r.calls[name]) for r in rows]) for name in tool_names},

@@ -268,7 +268,8 @@ def tool_metrics(generated: Generated) -> dict[str, float]:
     """A multi-turn round's tool use (gspo_lab.rollout.multi_turn): tools/call_frequency (calls per trajectory),
     tools/failure_frequency (calls that raised, timed out or did not parse, per call; TRL's), tools/<name>/
     call_frequency, turns/mean (the model's turns per trajectory), tokens/tool_fraction (the tools' share of the
-    completion tokens) and tools/lost_frac (the share of trajectories whose environment's worker died)."""
+    completion tokens), tools/lost_frac (the share of trajectories whose environment's worker died) and
+    tools/rolled_back_frac (the share whose last tool results did not fit the budget and were rolled back)."""
     extra, completions = generated.extra, generated.completions
     calls = extra["tool_calls"].sum().item()
     tokens = completions.completion_mask.sum().item()
@@ -278,6 +279,7 @@ def tool_metrics(generated: Generated) -> dict[str, float]:
         "turns/mean": extra["turns"].mean().item(),
         "tokens/tool_fraction": 1.0 - completions.policy_mask.sum().item() / tokens if tokens else 0.0,
         "tools/lost_frac": extra["lost"].mean().item(),
+        "tools/rolled_back_frac": extra["rolled_back"].mean().item(),
     }
     for key in extra:
         if key.startswith("tool_calls/"):
