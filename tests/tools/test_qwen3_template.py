@@ -43,3 +43,28 @@ def test_a_tokenizer_with_a_response_template_is_parsed_by_it(qwen3):
                                        return_dict=False)
     calls, _ = parse_tool_calls(text, qwen3, ids, prompt)
     assert [(c.name, c.arguments, c.error) for c in calls] == [("multiply", {"a": 3, "b": 4}, None)]
+
+
+def test_the_context_check_measures_prompts_with_their_tools_schemas(qwen3):
+    """A prompt measured at 38 tokens was 1,025 with its tools' schemas rendered, and rollout/width passed the
+    model's positions with only transformers' warning: the check now renders the prompts as the rollout does."""
+    from types import SimpleNamespace
+
+    from gspo_lab.models.builders import ContextTooLong, check_context
+    from gspo_lab.prompts import PromptFormat
+    from gspo_lab.tasks.calculator import Calculator
+
+    tokenizer = qwen3  # its template lists the tools' schemas in the system message
+    task = Calculator(tools=["gspo_lab.tasks.calculator.calculate", "tests.tools.trl_style.multiply"],
+                      environment="tests.tools.trl_style.CounterEnv", eval_size=8)
+    render = PromptFormat().bind(tokenizer)
+    def longest(tools) -> int:
+        return max(len(tokenizer(render.text(e, tools=tools), add_special_tokens=render.add_special_tokens)
+                       ["input_ids"]) for e in task.eval_examples())
+
+    bare, listed = longest(None), longest(task.toolset.schemas())
+    assert listed > bare + 100  # the schemas are most of the prompt
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=listed + 50))
+    check_context(model, tokenizer, task, {"rollout.max_new_tokens": 50}, render)  # fits to the token
+    with pytest.raises(ContextTooLong, match=rf"rollout.max_new_tokens=51 does not fit: .* is {listed} tokens"):
+        check_context(model, tokenizer, task, {"rollout.max_new_tokens": 51}, render)

@@ -100,3 +100,4 @@ def test_the_tiny_template_writes_pythonic_calls_that_are_read_back_after_a_save
     assert "keyword arguments only" in calls[0].error and calls[1].arguments == {"number": 3}  # region by region
     assert parse_tool_calls("<tool_call>[guess(number=int('3'))]</tool_call>", loaded)[0][0].error  # literals only
     assert parse_tool_calls("", loaded) == ([], "")  # the stop token at once
+

@@ -294,7 +294,8 @@ def fit_task(model: PreTrainedModel, tokenizer, task, max_new_tokens: dict[str, 
 def check_context(model: PreTrainedModel, tokenizer, task, max_new_tokens: dict[str, int], render=None) -> None:
     """Refuse a run whose sequences would not fit the model's positions: the longest prompt (of the held-out
     set and a sample of the whole prompt space) plus each generation budget in `max_new_tokens` (config key ->
-    tokens) must fit `max_position_embeddings`, prompts as `render` (gspo_lab.prompts.Renderer) formats them.
+    tokens) must fit `max_position_embeddings`, prompts as `render` (gspo_lab.prompts.Renderer) formats them, with
+    the tools' schemas where the task has tools (what an environment's reset adds is not known before it runs).
     Beyond it a rotary model still runs, on positions it never learned, so nothing else would say so;
     reasoning-gym's long instructions under the char tokenizer do it.
     """
@@ -303,10 +304,13 @@ def check_context(model: PreTrainedModel, tokenizer, task, max_new_tokens: dict[
         return
     rng = random.Random("check_context")
     examples = task.eval_examples() + [task.sample(rng) for _ in range(CONTEXT_SAMPLE)]
+    toolset = getattr(task, "toolset", None)
     if render is None:
         encoded = tokenizer([e.prompt for e in examples])
-    else:
-        encoded = tokenizer(render.texts(examples), add_special_tokens=render.add_special_tokens)
+    else:  # as the rollout renders them: a multi-turn task's prompts list its tools' schemas
+        tools = toolset.schemas() if toolset is not None else None
+        encoded = tokenizer([render.text(e, tools=tools) for e in examples],
+                            add_special_tokens=render.add_special_tokens)
     longest = max(len(ids) for ids in encoded["input_ids"])
     for key, tokens in max_new_tokens.items():
         if longest + tokens > limit:
