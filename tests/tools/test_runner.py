@@ -2,12 +2,16 @@
 the rows of one worker, never the run; an environment keeps its state across calls in its worker."""
 
 import functools
+import os
+import time
+from pathlib import Path
 
 import pytest
 
 from gspo_lab.tools import ToolRunner, Toolset
 from gspo_lab.tools.runner import call_environment, call_tool, finish_environment, start_environment
-from tests.tools.trl_style import CounterEnv, RandomStart, Resets, Shouter, add, explode, multiply, stall
+from tests.tools.trl_style import (CounterEnv, RandomStart, Resets, Shouter, add, explode, flood, multiply,
+                                   spawn_and_stall, stall)
 
 
 def test_sync_and_async_tools_and_a_raising_one():
@@ -116,3 +120,43 @@ def test_a_lambda_or_a_function_builds_the_environment():
         runner.close()
     assert [o.value for o in started] == [" (the counter is at 2)", " (the counter is at 1)"]
     assert stepped[0].value == "3"
+
+
+def sleeping(marker: str) -> list[int]:
+    """The pids of the processes running `sleep <marker>`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().split(b"\0")[:2] == [b"sleep",
+                                                                                             marker.encode()]:
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_timed_out_tools_own_processes_die_with_its_worker():
+    """A timed-out tool's child (`sleep 777`) outlived the worker that was killed: the worker's process group is
+    killed now."""
+    marker = f"{os.getpid()}.777"  # this test's own sleep
+    runner = ToolRunner(1, 2.0)
+    try:
+        outcomes, replaced = runner.run([(0, call_tool, (spawn_and_stall, {"seconds": marker}, 0))])
+    finally:
+        runner.close()
+    assert outcomes[0].failure == "timeout" and replaced == {0}
+    deadline = time.monotonic() + 10  # the kill is sent; give a loaded machine time to carry it out
+    while sleeping(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sleeping(marker) == []
+
+
+def test_a_result_is_cut_in_the_worker_before_it_crosses():
+    """A result was pickled back whole (2 million characters: seconds); the loop's limit cuts it in the worker."""
+    runner = ToolRunner(1, 10.0)
+    try:
+        outcomes, _ = runner.run([(0, call_tool, (flood, {"chars": 2_000_000}, 0, 640)),
+                                  (0, call_tool, (flood, {"chars": 5}, 0, 640))])
+    finally:
+        runner.close()
+    assert [o.value for o in outcomes] == ["x" * 640, "x" * 5]

@@ -203,3 +203,24 @@ class Shouter:
         """
         await self.inbox.put(text)
         return await self.outbox.get()
+
+
+def spawn_and_stall(seconds: str) -> str:
+    """Starts `sleep <seconds>` and waits for it.
+
+    Args:
+        seconds: how long the child sleeps
+    """
+    import subprocess
+
+    subprocess.run(["sleep", seconds], check=False)
+    return "slept"
+
+
+def flood(chars: int) -> str:
+    """Returns `chars` characters.
+
+    Args:
+        chars: how many
+    """
+    return "x" * chars

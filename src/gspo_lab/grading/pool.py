@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -112,8 +113,9 @@ class Worker:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         code = f"from gspo_lab.grading.pool import serve; serve({child.fileno()})"
         self.stderr = tempfile.TemporaryFile()
+        # a process group of its own, so a kill takes what a tool started too (a `sleep 777` outlived it)
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child.fileno()], env=env,
-                                        stdin=subprocess.DEVNULL, stderr=self.stderr)
+                                        stdin=subprocess.DEVNULL, stderr=self.stderr, start_new_session=True)
         child.close()
         self.connection = Connection(parent.detach())
         self.known: set[int] = set()  # keys of the functions this worker holds
@@ -153,7 +155,11 @@ class Worker:
         return f"the worker process exited with code {code}" + (f"; its stderr ends:\n{tail}" if tail else "")
 
     def kill(self) -> None:
-        self.process.kill()
+        """Kill the worker and every process of its group (what its calls started and left running)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            self.process.kill()
         self.process.wait()
         self.connection.close()
         self.stderr.close()

@@ -49,6 +49,9 @@ from gspo_lab.tools.template import check_prefix_preserving, tool_suffix_ids
 log = logging.getLogger(__name__)
 TURN_SEED_STRIDE = 1_000_003  # turn t of row seed s samples from stream s + t * stride (t = 0: the row's own)
 ENVIRONMENT_SEED_SALT = 0x5EED_0F_E4_71_2043  # an environment's seeds are not its row's sampling seeds
+# a tool result is cut in its worker at this many characters per token it may take (max_tool_response_tokens, else
+# the row's budget): more never reaches the model, and a token longer than 64 characters is rare in any vocabulary
+RESULT_CHARS_PER_TOKEN = 64
 
 
 def turn_seeds(row_seeds: Tensor, turn: int) -> Tensor:
@@ -226,10 +229,11 @@ class MultiTurn:
     def _run_tools(self, tokenizer, sampling, rows: list[Trajectory], waiting: list[int]) -> None:
         """Run the calls of the rows in `waiting`, append their results as tokens."""
         jobs, results = [], {n: [] for n in waiting}
+        limit = RESULT_CHARS_PER_TOKEN * (self.max_tool_response_tokens or sampling.max_new_tokens)
         for n in waiting:
             for j, call in enumerate(rows[n].pending):
                 rows[n].calls[call.name or "unparsed"] += 1
-                job = self._job(n, rows[n], call, environment_seed(rows[n].seed, rows[n].rounds, j))
+                job = self._job(n, rows[n], call, environment_seed(rows[n].seed, rows[n].rounds, j), limit)
                 if isinstance(job, str):
                     rows[n].failures += 1
                     results[n].append((call.name, job))
@@ -263,16 +267,17 @@ class MultiTurn:
             row.messages += messages
             row.add(suffix, 0)
 
-    def _job(self, n: int, row: Trajectory, call: ToolCall, seed: int):
-        """The worker call for one tool call, seeded `seed`, or the error message the model gets instead."""
+    def _job(self, n: int, row: Trajectory, call: ToolCall, seed: int, limit: int):
+        """The worker call for one tool call, seeded `seed`, its result cut at `limit` characters in the worker; or
+        the error message the model gets instead."""
         if call.error is not None:
             return str({"error": call.error})
         if self.toolset.is_environment_tool(call.name):
-            return (n, call_environment, (row.key, call.name, call.arguments, seed))
+            return (n, call_environment, (row.key, call.name, call.arguments, seed, limit))
         fn = self.toolset.function(call.name)
         if fn is None:
             return str({"error": f"no tool named {call.name!r}; the tools are {self.toolset.names}"})
-        return (n, call_tool, (fn, call.arguments, seed))
+        return (n, call_tool, (fn, call.arguments, seed, limit))
 
     def _cut(self, tokenizer, result: str) -> str:
         """A tool result cut at max_tool_response_tokens tokens."""

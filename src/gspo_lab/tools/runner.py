@@ -135,11 +135,14 @@ def close_environments() -> None:
             print(f"closing environment {key}: {error!r}", file=sys.stderr)
 
 
-def call_environment(key: str, method: str, arguments: dict, seed: int | None = None) -> str:
+def call_environment(key: str, method: str, arguments: dict, seed: int | None = None, limit: int | None = None
+                     ) -> str:
+    """Tool `method` of slot `key`'s environment, seeded `seed`; its result cut at `limit` characters here, before
+    it is pickled back (a result of 2 million characters took seconds to cross)."""
     if key not in _ENVIRONMENTS:
         raise EnvironmentLost(key)
     seeded(seed)
-    return str(_value(getattr(_ENVIRONMENTS[key], method)(**arguments)))
+    return str(_value(getattr(_ENVIRONMENTS[key], method)(**arguments)))[:limit]
 
 
 def finish_environment(key: str, seed: int | None = None) -> float | None:
@@ -152,9 +155,10 @@ def finish_environment(key: str, seed: int | None = None) -> float | None:
     return None if get_reward is None else float(_value(get_reward()))
 
 
-def call_tool(fn: Callable, arguments: dict, seed: int | None = None) -> str:
+def call_tool(fn: Callable, arguments: dict, seed: int | None = None, limit: int | None = None) -> str:
+    """Tool `fn`, seeded `seed`; its result cut at `limit` characters here, before it is pickled back."""
     seeded(seed)
-    return str(_value(fn(**arguments)))
+    return str(_value(fn(**arguments)))[:limit]
 
 
 class ToolRunner:
