@@ -173,7 +173,7 @@ class RLModule(L.LightningModule):
         return DataLoader(StepTicks(self.train_cfg.steps), batch_size=None)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        refuse_non_finite(self.model, self.trainer.strategy)
+        refuse_non_finite(self.model, getattr(self._trainer, "strategy", None))  # the strategy: sharded only
         checkpoint["rl_step"] = self.rl_step
         checkpoint["history"] = self.history
         checkpoint.update(self.updater.state_dict())  # consecutive_skips, entropy_control
