@@ -229,8 +229,9 @@ class TrainConfig:
         failure_stop_frac: a round in which one reward function failed (raised or timed out) on at least this
             share of the completions, or this share of the rows lost their environment, stops the run before its
             update, with the first error and a checkpoint (gspo_lab.step.failures); 1.0: where no signal is left.
-        kl_to_initial: log kl/to_initial every step, the KL from the initial policy (the cold start) measured on the
-            rollout's tokens (one no-grad forward of a frozen copy of it, which objective.beta > 0 has anyway);
+        kl_to_initial: log kl/to_initial every step, KL(π_behave ‖ π_initial): of the policy that sampled the
+            rollout from the initial one (the cold start), k3 on its samples (one no-grad forward of a frozen copy
+            of the initial policy, which objective.beta > 0 has anyway);
             null: where a reward function is learned (a reward model), whose over-optimisation is read against it.
     """
 

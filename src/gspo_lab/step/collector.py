@@ -101,7 +101,8 @@ class RolloutCollector:
             if self.kl_penalty:
                 batch.ref_logp = ref_logp
             if self.kl_to_initial:
-                metrics["kl/to_initial"] = sequence_kl(batch.old_logp, ref_logp, batch.policy_mask).item()
+                behave = batch.rollout_logp if batch.rollout_logp is not None else batch.old_logp  # the sampler's
+                metrics["kl/to_initial"] = sequence_kl(behave, ref_logp, batch.policy_mask).item()
         metrics["rollout/completions"] = float(len(batch.rewards))  # this rank's; the mean over ranks is logged
         metrics["rollout/width"] = float(batch.input_ids.shape[1])  # padded prompt + completion positions per row
         return Rollout(batch, metrics)
@@ -241,16 +242,22 @@ def sample_metrics(rewards: torch.Tensor, completions: Completions, group_size: 
     }
 
 
-def sequence_kl(old_logp: torch.Tensor, initial_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """KL(π || π_initial) per sequence, estimated on the rollout's samples (k1: Σ_t log π_old − log π_initial over
-    each completion's model tokens), averaged over the batch: the KL of Gao et al.'s over-optimisation laws (in
-    nats; their d is its square root). old_logp, initial_logp, mask [B, C].
+def sequence_kl(behave_logp: torch.Tensor, initial_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(π_behave ‖ π_initial) per sequence, of the policy that sampled the rollout (whose samples reward/mean and
+    reward/gold score: the weights k versions back under lagged mode, the engine's), estimated on its own samples
+    with k3 per token, Σ_t (e^δ_t − 1 − δ_t), δ_t = log π_initial − log π_behave over each completion's model
+    tokens, averaged over the batch: never negative, 0 where the two agree (k1, Σ_t −δ_t, went negative). The KL
+    of Gao et al.'s over-optimisation laws (in nats; their d is its square root). behave_logp, initial_logp,
+    mask [B, C].
 
     >>> sequence_kl(torch.tensor([[-1.0, -2.0], [-0.5, 0.0]]), torch.tensor([[-1.5, -2.0], [-1.0, -9.0]]),
-    ...             torch.tensor([[1, 1], [1, 0]]))
-    tensor(0.5000)
+    ...             torch.tensor([[1, 1], [1, 0]]))  # δ = -0.5 on one token of each row: e^-0.5 - 1 + 0.5
+    tensor(0.1065)
+    >>> sequence_kl(torch.tensor([[-2.0]]), torch.tensor([[-1.0]]), torch.tensor([[1]])) > 0  # k1 would be -1
+    tensor(True)
     """
-    return ((old_logp - initial_logp) * mask).sum(-1).mean()
+    delta = (initial_logp - behave_logp) * mask  # [B, C], 0 off the model's tokens
+    return ((delta.exp() - 1 - delta) * mask).sum(-1).mean()
 
 
 def staleness_metrics(versions: torch.Tensor, step: int, max_staleness: int) -> dict[str, float]:
