@@ -247,7 +247,8 @@ class Evaluator:
                 log.warning("eval set %s: %d of %d checks failed and count as wrong (eval/%s/grading_failures); the "
                             "first: %s", eval_set.name, sum(graded.failed), len(chunk), eval_set.name, graded.detail)
             if eval_set.rewards is not None:
-                scores = eval_set.rewards.score(*reward_inputs(chunk, out, generated.extra),
+                environments = eval_set.agent.environments if eval_set.agent is not None else None
+                scores = eval_set.rewards.score(*reward_inputs(chunk, out, generated.extra, environments),
                                                 where=lambda i: f"eval set {eval_set.name}, completion {i}")
                 for name, values in scores.per_function.items():
                     decoded.rewards.setdefault(name, []).extend(values.tolist())

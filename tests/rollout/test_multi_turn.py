@@ -186,3 +186,27 @@ def test_a_dying_worker_costs_its_rows_only(tok, runner):
     assert out.extra["lost"].tolist() == [0.0, 1.0]
     assert out.completions.texts[0] == "end"
     assert torch.isnan(out.extra["environment_reward"][1]) and out.extra["environment_reward"][0] == 0.0
+
+
+def test_a_reward_function_that_takes_environments_reads_its_rows_instances(tok, runner):
+    """TRL's `reward_func(environments, **kwargs)` (echo.py) was refused: the instances live in the workers. Each row
+    now hands its reward functions a handle that reads its own instance there, attributes and methods alike."""
+    from gspo_lab.rewards import build_rewards
+    from gspo_lab.rollout.completions import reward_inputs
+    from gspo_lab.tasks.calculator import Calculator
+
+    def script(text):
+        return call("increment", step=int(text[text.index("at ") + 3])) if "<tool_response>" not in text else "ok"
+
+    agent = loop(runner, tools=[], environment="tests.tools.trl_style.CounterEnv")
+    examples = [Example("q", "x", {"start": 0}), Example("q", "y", {"start": 1})]
+    out, _ = run(agent, tok, script, examples)  # row 0 counts 0 -> 0, row 1 counts 1 -> 2
+    task = Calculator(tools=[], environment="tests.tools.trl_style.CounterEnv")
+    rewards = build_rewards({"functions": [
+        {"_target_": "tests.tools.trl_style.counter_reward"},
+        {"_target_": "tests.tools.trl_style.counter_reward_by_method"}], "num_workers": 0}, task)
+    scores = rewards.score(*reward_inputs(examples, out.completions, out.extra, agent.environments))
+    assert scores.per_function["counter_reward"].tolist() == pytest.approx([0.0, 2 / 3], rel=2**-23)  # float32
+    assert scores.per_function["counter_reward_by_method"].tolist() == [0.0, 0.0]  # CounterEnv pays at 3 only
+    with pytest.raises(ValueError, match=r"reward.functions.0 takes `environments`.*reward.num_workers=1"):
+        build_rewards({"functions": [{"_target_": "tests.tools.trl_style.counter_reward"}], "num_workers": 1}, task)

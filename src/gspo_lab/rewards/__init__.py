@@ -76,6 +76,9 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero", failure_
              for item in items]
     items = with_environment_reward(items, task)
     columns = None if task is None else task.columns()
+    environment = getattr(getattr(task, "toolset", None), "environment", None) is not None
+    if environment:  # a multi-turn rollout's: TRL's `environments` (its rows' instances) and get_reward's value
+        columns += ["environments", "environment_reward"]
     functions = [_function(dict(item), task, columns, f"reward.functions.{i}") for i, item in enumerate(items)]
     num_workers, timeout_s = cfg.get("num_workers", 0), cfg.get("timeout_s", 10.0)
     hanging = [f.name for f in functions if may_hang(f.fn)]
@@ -88,6 +91,13 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero", failure_
         log.warning("reward.num_workers=0 grades %s in the training process, where a call that never returns "
                     "(sympy on model output) cannot be stopped; null or >= 1 grades in killable workers",
                     ", ".join(hanging))
+    reading = [f"reward.functions.{i}" for i, f in enumerate(functions) if "environments" in _parameters(f.fn)]
+    if reading and num_workers:
+        raise ValueError(f"{reading[0]} takes `environments`, the rows' environment instances, which live in the "
+                         "tool workers and are read from the trainer; reward.num_workers="
+                         f"{cfg.get('num_workers')!r} would grade it in another process: set reward.num_workers=0")
+    if reading and not environment:
+        raise ValueError(f"{reading[0]} takes `environments`, and the task has no task.environment to give it")
     runner = GradingPool(num_workers, timeout_s) if num_workers else None
     return WeightedRewards(functions, runner, on_error, failure_stop_frac)
 

@@ -153,13 +153,14 @@ def widened(values: Tensor, completion_len: int) -> Tensor:
     return torch.nn.functional.pad(values, (0, completion_len - values.shape[1]), value=0)
 
 
-def reward_inputs(examples: list[Example], completions: Completions, extra: dict[str, Tensor] | None = None
-                  ) -> tuple[list, list, list[list[int]], dict]:
+def reward_inputs(examples: list[Example], completions: Completions, extra: dict[str, Tensor] | None = None,
+                  environments: list | None = None) -> tuple[list, list, list[list[int]], dict]:
     """What reward functions get for these completions of `examples` (one example per completion): the prompts,
     the completions (as assistant messages when the prompts are conversational: a multi-turn one's every
     assistant and tool message; else the text, a multi-turn one's last turn), their token ids up to and
     including the stop token, and the columns (the reference `answer`, every other column of the data, and a
-    multi-turn rollout's `environment_reward` (`extra`), None where the environment gave none)."""
+    multi-turn rollout's `environment_reward` (`extra`), None where the environment gave none, and its rows'
+    `environments` (gspo_lab.tools.runner.RemoteEnvironment), where given)."""
     conversational = bool(examples) and isinstance(examples[0].prompt, list)
     texts = completions.texts
     replies = texts
@@ -177,4 +178,6 @@ def reward_inputs(examples: list[Example], completions: Completions, extra: dict
             EnvironmentRewardFailed("this row's environment's get_reward() raised (its first error is logged with "
                                     "its traceback)") if bad else None if math.isnan(r) else r
             for r, bad in zip(extra["environment_reward"].tolist(), failed)]
+    if environments is not None:
+        columns["environments"] = list(environments)
     return [e.prompt for e in examples], replies, ids, columns

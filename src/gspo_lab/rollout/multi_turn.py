@@ -42,8 +42,8 @@ from gspo_lab.rollout.completions import Generated
 from gspo_lab.rollout.sampling import draw_row_seeds
 from gspo_lab.rollout.trajectory import Trajectory, assemble
 from gspo_lab.tools import ToolCall, ToolRunner, Toolset, parse_tool_calls
-from gspo_lab.tools.runner import (EnvironmentLost, call_environment, call_tool, drop_environment,
-                                   finish_environment, start_environment)
+from gspo_lab.tools.runner import (EnvironmentLost, RemoteEnvironment, call_environment, call_tool,
+                                   drop_environment, finish_environment, start_environment)
 from gspo_lab.tools.template import check_prefix_preserving, tool_suffix_ids
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class MultiTurn:
         self.schemas = toolset.schemas()
         # row n's environment lives in slot "<class>#<agent>/n" of its worker, reused by this loop's later rollouts
         self.slots = f"{toolset.environment_name}#{next(self._agents)}" if toolset.environment is not None else ""
+        self.environments: list[RemoteEnvironment] | None = None  # the last rollout's rows' (reward functions')
         self.first_errors: dict[str, str] = {}  # what failed ("reset", "get_reward", "lost") -> its first message
 
     def _failed(self, what: str, outcome) -> None:
@@ -165,6 +166,8 @@ class MultiTurn:
             self._turn(backend, tokenizer, sampling, rows, active, turn, row_seeds, batch_size, routing)
             self._run_tools(tokenizer, sampling, rows, [n for n in active if not rows[n].done])
         self._finish(rows)
+        if self.toolset.environment is not None:
+            self.environments = [RemoteEnvironment(self.runner, n, row.key) for n, row in enumerate(rows)]
         return assemble(tokenizer, rows, self.toolset.names)
 
     def _start(self, rows: list[Trajectory], examples: list) -> list[str | None]:

@@ -224,7 +224,8 @@ class RolloutCollector:
         multi-turn one's every message), their token ids up to and including the stop token, the reference
         `answer`, every other column, and a multi-turn row's `environment_reward`."""
         group = self.rollout_cfg.group_size
-        return self.rewards.score(*reward_inputs(examples, generated.completions, generated.extra),
+        environments = self.agent.environments if self.agent is not None else None
+        return self.rewards.score(*reward_inputs(examples, generated.completions, generated.extra, environments),
                                   where=lambda i: f"RL step {step}, prompt {i // group}, completion {i % group}")
 
 

@@ -155,6 +155,54 @@ def finish_environment(key: str, seed: int | None = None) -> float | None:
     return None if get_reward is None else float(_value(get_reward()))
 
 
+def environment_attribute(key: str, name: str) -> tuple[str, Any]:
+    """Slot `key`'s environment's attribute `name`: ("method", None) for a method, else ("value", its value)."""
+    if key not in _ENVIRONMENTS:
+        raise EnvironmentLost(key)
+    value = getattr(_ENVIRONMENTS[key], name)
+    return ("method", None) if callable(value) else ("value", value)
+
+
+def call_environment_method(key: str, name: str, args: tuple, kwargs: dict) -> Any:
+    """Slot `key`'s environment's method `name` called (awaited where async), its value returned as it is."""
+    if key not in _ENVIRONMENTS:
+        raise EnvironmentLost(key)
+    return _value(getattr(_ENVIRONMENTS[key], name)(*args, **kwargs))
+
+
+class RemoteEnvironment:
+    """A row's environment as a reward function sees it (TRL's `reward_func(environments, **kwargs)`): the instance
+    lives in a tool worker, and this handle reads its attributes and calls its methods there, one round trip each
+    (`environments[i].reward`, `environments[i].score()`). Valid until the loop's next rollout resets the slot;
+    it does not cross to other processes (a function that takes `environments` scores in the trainer)."""
+
+    def __init__(self, runner: ToolRunner, row: int, key: str) -> None:
+        self._runner, self._row, self._key = runner, row, key
+
+    def _run(self, fn: Callable, args: tuple) -> Any:
+        (outcome,), _ = self._runner.run([(self._row, fn, args)])
+        if outcome.failure is not None:
+            raise RuntimeError(f"the environment of rollout row {self._row} ({self._key}): {outcome.failure}: "
+                               f"{outcome.detail}")
+        return outcome.value
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        kind, value = self._run(environment_attribute, (self._key, name))
+        if kind == "method":
+            return lambda *args, **kwargs: self._run(call_environment_method, (self._key, name, args, kwargs))
+        return value
+
+    def __reduce__(self):
+        raise TypeError("a RemoteEnvironment reads its instance through the trainer's tool workers and cannot be "
+                        "sent to another process; a reward function that takes `environments` needs "
+                        "reward.num_workers=0")
+
+    def __repr__(self) -> str:
+        return f"RemoteEnvironment(row={self._row}, key={self._key!r})"
+
+
 def call_tool(fn: Callable, arguments: dict, seed: int | None = None, limit: int | None = None) -> str:
     """Tool `fn`, seeded `seed`; its result cut at `limit` characters here, before it is pickled back."""
     seeded(seed)
