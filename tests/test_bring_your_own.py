@@ -125,3 +125,34 @@ def test_gspo_eval_scores_the_held_out_prompts_training_scored(byo, compose, tmp
     evaluated = {json.dumps(r["prompt"]) for r in map(json.loads, (tmp_path / "eval" / "samples.jsonl").open())}
     unfiltered = {json.dumps(e.prompt) for e in whole.task.eval_examples()}
     assert evaluated == trained and evaluated != unfiltered
+
+
+def test_data_without_an_answer_column_trains_where_the_reward_needs_none(byo, compose, tmp_path):
+    """task=hf refused data without reference answers ("'answer' is not a column"), and answer_column=null failed
+    with an AttributeError. With task.answer_column=null a reward that reads no answer trains; what needs one (the
+    task's checker, a function with an `answer` parameter, the cold start's imitation, held-out accuracy) is refused
+    by its key."""
+    from gspo_lab.train import ConfigError, plan
+
+    questions = write_jsonl(tmp_path / "questions.jsonl", [{"question": row["question"]} for row in word_problems(40)])
+    overrides = [o for o in byo if not o.startswith(("task.answer_pattern", "task.solution_column", "task.path",
+                                                     "reward.", "train.eval_every"))]
+    overrides += [f"task.path={questions}", f"paths.output_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=r"task.answer_column='answer' is not a column .* set task.answer_column=null"):
+        plan(compose(overrides))
+    length = "reward.functions=[{_target_:tests.rewards.user_rewards.LengthPenalty,per_char:0.02}]"
+    free = overrides + ["task.answer_column=null", "train.eval_every=0"]
+    for changed, message in [
+            (["reward=task"], r"reward.functions.0 \(hf\) needs the reference answer, and the data has none"),
+            (["reward.functions=[{_target_:tests.rewards.user_rewards.needs_answer}]"],
+             r"reward.functions.0 \(needs_answer\) needs the reference answer"),
+            ([length, "sft.enabled=true"], r"sft.enabled=True: the cold start imitates the reference answers"),
+            ([length, "train.eval_every=2"], r"train.eval_every=2: eval.sets.heldout grades held-out accuracy")]:
+        with pytest.raises(ConfigError, match=message):
+            plan(compose(free + changed))
+    free.append(length)
+    run, module, _ = build(compose(free))
+    before = [p.detach().clone() for p in module.model.parameters()]
+    run.trainer.fit(module)
+    assert {e.answer for e in module.task.records} == {""} and len(module.history) == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))

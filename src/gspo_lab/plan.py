@@ -86,6 +86,7 @@ def plan(cfg: DictConfig) -> Plan:
         if parts["train"].micro_batch_size is not None:
             check_splittable(parts["objective"])
         check_multi_turn(parts["task"], parts["rollout"])
+        check_answers(parts["task"], cfg, model_source, parts["train"], parts["evaluation"])
         if parts["routing"].replay != "off":  # raises for a dense or unsupported MoE
             find_routers(model_source.skeleton(), f"routing.replay={parts['routing'].replay}")
         settings = RunSettings(parts["rollout"], parts["train"], parts["routing"], parts["evaluation"].settings,
@@ -137,6 +138,25 @@ def check_multi_turn(task, rollout) -> None:
     if task.toolset is not None and rollout.async_mode == "overlap":
         raise ValueError("rollout.async_mode=overlap with task.tools or task.environment: the multi-turn loop runs the "
                          "tools in the trainer's process between the engine's turns; use async_mode=lagged")
+
+
+def check_answers(task, cfg: DictConfig, model_source, train, evaluation) -> None:
+    """A data set without reference answers (task.answer_column=null) where nothing reads one: the rewards are
+    checked where they are built; the cold start imitates the answers (or task.solution_column), and held-out
+    accuracy grades against them."""
+    if task.has_answers:
+        return
+    from gspo_lab.sft import SFTConfig
+
+    sft = SFTConfig(**OmegaConf.to_container(cfg.sft, resolve=True))
+    if sft.runs_on(model_source) and getattr(task, "solution_column", None) is None:
+        raise ValueError(f"sft.enabled={sft.enabled!r}: the cold start imitates the reference answers, and the data "
+                         "has none (task.answer_column=null); give task.solution_column, or set sft.enabled=false")
+    graded = [spec.name for spec in evaluation.specs if spec.task is task]
+    if train.eval_every and graded:
+        raise ValueError(f"train.eval_every={train.eval_every}: eval.sets.{graded[0]} grades held-out accuracy "
+                         "against the reference answers, and the data has none (task.answer_column=null); set "
+                         "train.eval_every=0, or evaluate a task that has answers (eval.sets.<name>.task)")
 
 
 def check_overlap(rollout, device: str, world_size: int) -> None:

@@ -76,6 +76,8 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero", failure_
              for item in items]
     items = with_environment_reward(items, task)
     columns = None if task is None else task.columns()
+    if columns is not None and not task.has_answers:  # task.answer_column=null: a function that needs it is refused
+        columns.remove("answer")
     environment = getattr(getattr(task, "toolset", None), "environment", None) is not None
     if environment:  # a multi-turn rollout's: TRL's `environments` (its rows' instances) and get_reward's value
         columns += ["environments", "environment_reward"]
@@ -187,6 +189,11 @@ def _check_required(fn, columns: list[str], where: str) -> None:
     for name, p in _parameters(fn).items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty or name in given:
             continue
+        if name == "answer":  # task.answer_column=null
+            raise ValueError(f"{where} ({reward_name(fn)}) needs the reference answer, and the data has none "
+                             "(task.answer_column=null); use a reward that needs none (reward=environment, "
+                             "reward_model, judge, or a function without an `answer` parameter) or name the answer "
+                             "column")
         raise ValueError(f"{where} ({reward_name(fn)}) needs the parameter {name!r}, which no call passes: the "
                          f"data's columns are {', '.join(columns)} (besides {', '.join(CALL_ARGUMENTS)}); map a "
                          "column to it (task.answer_column, or a column of that name) or choose another function")
@@ -195,6 +202,6 @@ def _check_required(fn, columns: list[str], where: str) -> None:
 def gold_reward(task, rewards: WeightedRewards) -> WeightedRewards | None:
     """The task's own checker as reward/gold, beside rewards that do not include it (a reward model's proxy), graded
     as they are (their pool, if any); None where they include it."""
-    if any(isinstance(unwrapped(f.fn), TaskReward) for f in rewards.functions):
+    if any(isinstance(unwrapped(f.fn), TaskReward) for f in rewards.functions) or not task.has_answers:
         return None
     return WeightedRewards([RewardFunction(TaskReward(task), name="gold")], rewards.runner)

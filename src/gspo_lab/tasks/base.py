@@ -81,6 +81,10 @@ class Task(ABC):
         stripped text, None when empty. Tasks whose checker extracts an answer override it."""
         return completion.strip() or None
 
+    # whether examples carry a reference answer; a data set without one (task=hf, task.answer_column=null) serves
+    # rewards that need none (an environment, a reward model, a judge), and what needs one is refused by name
+    has_answers = True
+
     def columns(self) -> list[str]:
         """The data columns every reward call receives as keywords: `answer`, then an example's `meta` keys."""
         return ["answer", *self.sample(random.Random("columns")).meta]

@@ -121,6 +121,10 @@ class HFDataset(JsonlTask):
             raise ValueError(f"task.dedup_prompts={dedup_prompts!r} must be true or false")
         self.match, self.max_prompt_tokens, self.dropped_long = match, max_prompt_tokens, 0
         self.prompt_column, self.answer_column, self.solution_column = prompt_column, answer_column, solution_column
+        self.has_answers = answer_column is not None  # null: no reference answers (an environment or a learned reward)
+        if answer_column is None and answer_pattern is not None:
+            raise ValueError(f"task.answer_pattern={answer_pattern!r} with task.answer_column=null: there is no answer "
+                             "to search")
         self.pattern = re.compile(answer_pattern) if answer_pattern else None
         source = path or "the rows given"
         rows = rows if rows is not None else load_split(path, name, data_files, split, revision)
@@ -161,11 +165,16 @@ class HFDataset(JsonlTask):
         try:
             return column(row, name)
         except KeyError:
-            raise ValueError(f"{key}={name!r} is not a column of {where}; its columns are {sorted(row)}") from None
+            hint = ("; with a reward that needs no reference answer (an environment, a reward model, a judge), set "
+                    "task.answer_column=null" if key == "task.answer_column" else "")
+            raise ValueError(f"{key}={name!r} is not a column of {where}; its columns are {sorted(row)}{hint}") from None
 
     def _example(self, row: dict, where: str) -> Example | None:
         prompt = self._column(row, "task.prompt_column", self.prompt_column, where)
-        reference = self._column(row, "task.answer_column", self.answer_column, where)
+        if self.answer_column is None:
+            reference = ""  # no reference answer: nothing here reads one (plan.check_answers)
+        else:
+            reference = self._column(row, "task.answer_column", self.answer_column, where)
         if reference is None:
             return None
         reference = str(reference)
