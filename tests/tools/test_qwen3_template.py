@@ -68,3 +68,67 @@ def test_the_context_check_measures_prompts_with_their_tools_schemas(qwen3):
     check_context(model, tokenizer, task, {"rollout.max_new_tokens": 50}, render)  # fits to the token
     with pytest.raises(ContextTooLong, match=rf"rollout.max_new_tokens=51 does not fit: .* is {listed} tokens"):
         check_context(model, tokenizer, task, {"rollout.max_new_tokens": 51}, render)
+
+
+def scripted_run(tokenizer, script):
+    """One row of a multi-turn rollout over a scripted backend, with TRL's multiply tool, after the loop's check."""
+    import torch
+
+    from gspo_lab.prompts import PromptFormat
+    from gspo_lab.rollout.backend import Sampling
+    from gspo_lab.rollout.multi_turn import MultiTurn
+    from gspo_lab.tasks.base import Example
+    from gspo_lab.tools import ToolRunner, Toolset
+    from tests.rollout.scripted import ScriptedBackend
+
+    runner = ToolRunner(1, 10.0)
+    try:
+        agent = MultiTurn(Toolset.of(["tests.tools.trl_style.multiply"], None), runner, 4, None)
+        agent.check(tokenizer)
+        return agent.generate(ScriptedBackend(script), tokenizer, PromptFormat().bind(tokenizer), [Example("q", "42")],
+                              Sampling(400), torch.tensor([1]))
+    finally:
+        runner.close()
+
+
+def test_llama_3_2_json_calls_are_read_through_trls_response_template():
+    """Llama 3.2 writes a call as bare JSON and its tokenizer has no response schema: 0 calls parsed. The loop now
+    sets TRL's response template (add_response_schema), whose parser closes a call on <|eot_id|>, so the turn's
+    stop token reaches it."""
+    tok = char_tokenizer(ALPHABET + "\n")
+    tok.add_tokens(["\n\n"])  # the template's header ends in two newlines, which the character vocabulary lacks
+    tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
+                                                         "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>",
+                                                         "<|eom_id|>"], "eos_token": "<|eot_id|>"})
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "llama3_2.jinja").read_text()
+
+    def script(text):
+        answered = "<|start_header_id|>ipython<|end_header_id|>" in text  # the tool result's turn
+        return "42" if answered else '{"name": "multiply", "parameters": {"a": 6, "b": 7}}'
+
+    out = scripted_run(tok, script)
+    assert tok.response_template is not None
+    assert out.extra["tool_calls"].tolist() == [1.0] and out.extra["tool_failures"].tolist() == [0.0]
+    assert [m.get("content") for m in out.completions.messages[0] if m["role"] == "tool"] == ["42"]
+
+
+def test_qwen3s_shipped_template_runs_with_trls_training_template(qwen3):
+    """Qwen3's shipped template is not prefix-preserving; TRL swaps in its training template, and so does the loop
+    now, after setting the response template from the shipped one: a Hermes call is parsed and run."""
+    shipped = qwen3.chat_template
+
+    def script(text):
+        return ('<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+                if "<tool_response>" not in text else "42")
+
+    out = scripted_run(qwen3, script)
+    assert qwen3.chat_template == get_training_chat_template_of(shipped) and qwen3.response_template is not None
+    assert out.extra["tool_calls"].tolist() == [1.0] and out.extra["tool_failures"].tolist() == [0.0]
+
+
+def get_training_chat_template_of(template: str) -> str:
+    tok = char_tokenizer(ALPHABET + "\n")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "eos_token": "<|im_end|>"})
+    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tok.chat_template = template
+    return get_training_chat_template(tok)

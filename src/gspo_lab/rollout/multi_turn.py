@@ -44,7 +44,7 @@ from gspo_lab.rollout.trajectory import Trajectory, assemble
 from gspo_lab.tools import ToolCall, ToolRunner, Toolset, parse_tool_calls
 from gspo_lab.tools.runner import (EnvironmentLost, RemoteEnvironment, call_environment, call_tool,
                                    drop_environment, finish_environment, start_environment)
-from gspo_lab.tools.template import check_prefix_preserving, tool_suffix_ids
+from gspo_lab.tools.template import check_prefix_preserving, prepare_as_trl, tool_suffix_ids
 
 log = logging.getLogger(__name__)
 TURN_SEED_STRIDE = 1_000_003  # turn t of row seed s samples from stream s + t * stride (t = 0: the row's own)
@@ -140,6 +140,7 @@ class MultiTurn:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("task.tools / task.environment need a tokenizer with a chat template (its tool role "
                              "renders the results); the tiny models' tokenizers get one when the task has tools")
+        prepare_as_trl(tokenizer, self.chat_template_kwargs)
         check_prefix_preserving(tokenizer, self.chat_template_kwargs)
 
     def generate(self, backend, tokenizer, render, examples: list, sampling, row_seeds: Tensor | None,
@@ -212,12 +213,13 @@ class MultiTurn:
                     span = slice(width - len(context), width + len(tokens))
                     row.trace = (out.routing_trace.indices[:, i, span], out.routing_trace.recorded[i, span])
                 row.add(tokens, turn, logprobs)
-                self._read_turn(tokenizer, row, tokens[:-1] if stopped else tokens, stopped, context)
+                self._read_turn(tokenizer, row, tokens, stopped, context)
 
     def _read_turn(self, tokenizer, row: Trajectory, tokens: list[int], stopped: bool, context: list[int]) -> None:
-        """The turn's message and calls (`tokens` without the stop token, after `context`); the row ends where the
-        turn has none, ran out of budget, or used the last round of calls."""
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        """The turn's message and calls (`tokens`, its stop token last where `stopped`, after `context`): a response
+        template's parser reads the stop token (Llama 3's closes a call with <|eot_id|>), the text is without it;
+        the row ends where the turn has none, ran out of budget, or used the last round of calls."""
+        text = tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
         calls, content = parse_tool_calls(text, tokenizer, tokens, context, self.schemas)
         row.messages.append({"role": "assistant", "content": content, "tool_calls": [c.message() for c in calls
                                                                                      if c.error is None]})

@@ -15,11 +15,18 @@ result in <tool_response> tags. Its four tags are tokens of their own. The calls
 format (Llama 3.2's and vLLM's `pythonic` parser's), `<tool_call>[calculate(expression="12*34")]</tool_call>`:
 half the tokens of the JSON format, so that a character-level model has half the chances to break a call.
 `gspo_lab.tools.calls` reads it.
+
+Where TRL is installed, a tokenizer is first prepared as TRL's GRPOTrainer prepares it (`prepare_as_trl`): a
+response template for the chat templates TRL knows (Llama 3.x's JSON calls, Qwen3's, GLM-4.5's, GPT-OSS's, ...),
+and TRL's training template where the shipped one is not prefix-preserving (Qwen3's).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
 
 TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 TINY_TOOL_TEMPLATE = (
@@ -127,8 +134,35 @@ def not_prefix_preserving(tokenizer) -> str:
             "prefix-preserving: it renders an earlier turn differently once a tool result follows (Qwen3's strips "
             "<think> blocks; some templates drop tool calls), so the tokens trained on would not be the ones "
             "generated. Save the checkpoint's tokenizer with a training template that keeps every turn as it was "
-            "(TRL's trl.chat_template_utils.get_training_chat_template gives one for Qwen3), or use a model whose "
-            "template preserves prefixes")
+            "(TRL's trl.chat_template_utils.get_training_chat_template, which is used by itself where TRL is "
+            "installed and knows the template, Qwen3's among them), or use a model whose template preserves prefixes")
+
+
+def prepare_as_trl(tokenizer, chat_template_kwargs: dict | None = None) -> None:
+    """What TRL's GRPOTrainer does to a tool task's tokenizer, done here where TRL is installed: its response
+    template for a chat template TRL knows (`add_response_schema`, from the template as shipped: Llama 3.2 writes
+    its calls as bare JSON, which nothing else here reads), then TRL's training template where the shipped one is
+    not prefix-preserving (`get_training_chat_template`: Qwen3's). A template TRL does not know is left as it is."""
+    try:
+        from trl.chat_template_utils import add_response_schema, get_training_chat_template
+    except ImportError:
+        return
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        try:
+            add_response_schema(tokenizer)
+        except ValueError:  # a template TRL does not know: the Hermes or pythonic format is read (tools.calls)
+            pass
+    try:
+        check_prefix_preserving(tokenizer, chat_template_kwargs)
+    except ValueError:
+        try:
+            training = get_training_chat_template(tokenizer)
+        except ValueError:  # TRL has no training template for it: check_prefix_preserving refuses it
+            return
+        if training is not None:
+            log.info("the tokenizer's chat template is not prefix-preserving: TRL's training template for it is used, "
+                     "as TRL's GRPOTrainer does")
+            tokenizer.chat_template = training
 
 
 def check_prefix_preserving(tokenizer, chat_template_kwargs: dict | None = None) -> None:
