@@ -10,8 +10,8 @@ import pytest
 
 from gspo_lab.tools import ToolRunner, Toolset
 from gspo_lab.tools.runner import call_environment, call_tool, finish_environment, start_environment
-from tests.tools.trl_style import (CounterEnv, RandomStart, Resets, Shouter, add, explode, flood, multiply,
-                                   spawn_and_stall, stall)
+from tests.tools.trl_style import (CounterEnv, RandomStart, ResetFails, Resets, Shouter, add, explode, flood,
+                                   held_environments, multiply, spawn_and_stall, stall, write_file)
 
 
 def test_sync_and_async_tools_and_a_raising_one():
@@ -160,3 +160,31 @@ def test_a_result_is_cut_in_the_worker_before_it_crosses():
     finally:
         runner.close()
     assert [o.value for o in outcomes] == ["x" * 640, "x" * 5]
+
+
+def test_failing_resets_leave_no_instances_behind():
+    """After three rollouts with a failing reset a worker held 12 instances: an instance whose reset raised is
+    dropped, and the rows of later rollouts reuse their slots."""
+    runner = ToolRunner(1, 10.0)
+    try:
+        for _ in range(3):
+            outcomes, _ = runner.run([(0, start_environment, (f"f/{n}", ResetFails, {}, n)) for n in range(4)])
+            assert all(o.failure == "error" for o in outcomes)
+        (failed,), _ = runner.run([(0, call_tool, (held_environments, {}))])
+        for _ in range(3):
+            runner.run([(0, start_environment, (f"c/{n}", CounterEnv, {}, n)) for n in range(4)])
+        (kept,), _ = runner.run([(0, call_tool, (held_environments, {}))])
+    finally:
+        runner.close()
+    assert (failed.value, kept.value) == ("0", "4")
+
+
+def test_a_tool_may_write_files(tmp_path):
+    """The docs said tool workers may not write files, and a write_file tool did: the guard covers checkers grading
+    model output, not tools, and the docs now say so."""
+    runner = ToolRunner(1, 10.0)
+    try:
+        (outcome,), _ = runner.run([(0, call_tool, (write_file, {"path": str(tmp_path / "out.txt"), "text": "hi"}))])
+    finally:
+        runner.close()
+    assert outcome.value == "written" and (tmp_path / "out.txt").read_text() == "hi"

@@ -234,3 +234,22 @@ def counter_reward(environments, **kwargs) -> list[float]:
 def counter_reward_by_method(environments, **kwargs) -> list[float]:
     """The same through a method of the environment."""
     return [env.get_reward() for env in environments]
+
+
+def write_file(path: str, text: str) -> str:
+    """Writes a file (tools are user code with the user's rights).
+
+    Args:
+        path: where
+        text: what
+    """
+    with open(path, "w") as file:
+        file.write(text)
+    return "written"
+
+
+def held_environments() -> str:
+    """How many environment instances this worker holds (a probe for the tests, run as a tool)."""
+    from gspo_lab.tools import runner
+
+    return str(len(runner._ENVIRONMENTS))
