@@ -330,11 +330,11 @@ def test_an_environments_get_reward_is_a_reward_unless_the_list_names_it():
 
     task = GuessNumberTask()
     added = build_rewards({"functions": [{"_target_": "gspo_lab.rewards.TaskReward"}]}, task=task)
-    assert [(f.name, f.weight) for f in added.functions] == [("guess_number", 1.0), ("environment_reward", 1.0)]
+    assert [(f.name, f.weight) for f in added.functions] == [("guess_number", 1.0), ("GuessNumber", 1.0)]
     examples = task.eval_examples()[:2]
     scored = added.score([e.prompt for e in examples], ["8", "3"], [[1], [2]],
                          {"answer": [e.answer for e in examples], "environment_reward": [0.5, 0.25]})
-    assert scored.per_function["environment_reward"].tolist() == [0.5, 0.25]
+    assert scored.per_function["GuessNumber"].tolist() == [0.5, 0.25]  # TRL names it after the class
     named = build_rewards({"functions": [{"_target_": "gspo_lab.rewards.TaskReward"},
                                          {"_target_": "gspo_lab.rewards.environment_reward", "weight": 0.0}]},
                           task=task)

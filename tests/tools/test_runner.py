@@ -10,7 +10,7 @@ import pytest
 
 from gspo_lab.tools import ToolRunner, Toolset
 from gspo_lab.tools.runner import call_environment, call_tool, finish_environment, start_environment
-from tests.tools.trl_style import (CounterEnv, RandomStart, ResetFails, Resets, Shouter, add, explode, flood,
+from tests.tools.trl_style import (CounterEnv, NoArguments, RandomStart, ResetFails, Resets, Shouter, add, explode, flood,
                                    held_environments, multiply, spawn_and_stall, stall, write_file)
 
 
@@ -188,3 +188,14 @@ def test_a_tool_may_write_files(tmp_path):
     finally:
         runner.close()
     assert outcome.value == "written" and (tmp_path / "out.txt").read_text() == "hi"
+
+
+def test_a_reset_without_arguments_gets_none():
+    """`def reset(self)` (TRL's echo_env_factory.py) raised TypeError on the row's columns."""
+    runner = ToolRunner(1, 10.0)
+    try:
+        (started,), _ = runner.run([(0, start_environment, ("n/0", NoArguments, {"prompt": "p", "answer": "a"}))])
+        (echoed,), _ = runner.run([(0, call_environment, ("n/0", "step", {"message": "hi"}))])
+    finally:
+        runner.close()
+    assert (started.failure, started.value, echoed.value) == (None, None, "hi")

@@ -253,3 +253,19 @@ def held_environments() -> str:
     from gspo_lab.tools import runner
 
     return str(len(runner._ENVIRONMENTS))
+
+
+class NoArguments:
+    """An environment whose reset takes no arguments (TRL's echo_env_factory.py and IncrementEnv write it so)."""
+
+    def reset(self) -> None:
+        self.steps = 0
+
+    def step(self, message: str) -> str:
+        """Echo a message.
+
+        Args:
+            message: what to echo
+        """
+        self.steps += 1
+        return message

@@ -105,19 +105,20 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero", failure_
 
 
 def with_environment_reward(items: list, task) -> list:
-    """`items`, with the environment's get_reward() added at weight 1 where the task's environment has one and no
-    item reads it already (TRL adds it by itself). An `environment_reward` item of any weight, 0 included,
-    takes its place."""
+    """`items`, with the environment's get_reward() added at weight 1, named after its class (reward/<class>/...),
+    where the task's environment has one and no item reads it already (TRL adds it by itself, so named). An
+    `environment_reward` item of any weight, 0 included, takes its place."""
     toolset = getattr(task, "toolset", None)
     if toolset is None or not callable(getattr(toolset.environment_class, "get_reward", None)):
         return items
     target = f"{environment_reward.__module__}.{environment_reward.__name__}"
     if any(item.get("_target_") in (target, "gspo_lab.rewards.environment_reward") for item in items):
         return items
-    log.info("task.environment=%s has get_reward(): added to the rewards as environment_reward, weight 1 (as "
-             "TRL adds it); an environment_reward entry in reward.functions, weight 0 included, replaces it",
-             toolset.environment_name)
-    return [*items, {"_target_": "gspo_lab.rewards.environment_reward", "weight": 1.0}]
+    log.info("task.environment=%s has get_reward(): added to the rewards as %s, weight 1 (as TRL adds it); an "
+             "environment_reward entry in reward.functions, weight 0 included, replaces it",
+             toolset.environment_name, toolset.environment_name)
+    return [*items, {"_target_": "gspo_lab.rewards.environment_reward", "weight": 1.0,
+                     "name": toolset.environment_name}]
 
 
 def may_hang(fn) -> bool:

@@ -105,15 +105,22 @@ def seeded(seed: int | None) -> None:
 
 def start_environment(key: str, factory: Callable, columns: dict, seed: int | None = None) -> Any:
     """Reset slot `key`'s environment (built with `factory()` where the slot has none) with the row's columns
-    (TRL: `reset(**row)`), from `seed`; returns what reset returns (None or a string that extends the prompt). An
+    (TRL: `reset(**row)`; a reset without **kwargs gets the columns it names, `def reset(self)` none), from `seed`; returns what reset returns (None or a string that extends the prompt). An
     instance whose reset raised is closed and dropped: the slot builds a new one next time."""
     if key not in _ENVIRONMENTS:
         if not _ENVIRONMENTS:
             atexit.register(close_environments)
         _ENVIRONMENTS[key] = factory()
     seeded(seed)
+    reset = _ENVIRONMENTS[key].reset
     try:
-        return _value(_ENVIRONMENTS[key].reset(**columns))
+        parameters = inspect.signature(reset).parameters
+    except (TypeError, ValueError):  # no signature to read: every column, as TRL passes them
+        parameters = None
+    if parameters is not None and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        columns = {name: value for name, value in columns.items() if name in parameters}  # `def reset(self)`: none
+    try:
+        return _value(reset(**columns))
     except BaseException:  # the row is lost, and the instance's state unknown: it is not kept
         drop_environment(key)
         raise
