@@ -41,8 +41,14 @@ def tiny() -> list[str]:
 
 @pytest.fixture(scope="session")
 def cold_start_cache(tmp_path_factory) -> str:
-    """A cache dir shared by the session's RL tests, so their short cold start is trained once."""
-    return str(tmp_path_factory.mktemp("sft-cache"))
+    """A cache dir shared by the session's RL tests, so their short cold start is trained once: under pytest-xdist
+    by every worker of the run (the cold start's file lock makes a second worker wait for the first's)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    path = root / "sft-cache"
+    path.mkdir(exist_ok=True)
+    return str(path)
 
 
 @pytest.fixture(scope="session")
