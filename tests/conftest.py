@@ -22,6 +22,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 TINY = ["model.config.num_hidden_layers=1", "model.config.hidden_size=64", "model.config.moe_intermediate_size=32"]
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """Tests marked `long` first: under pytest-xdist (worksteal) a worker starts each at once and the others take
+    the rest, where one met at the end of a queue kept the suite waiting on a single core."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
+
+
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return hydra_compose(config_name="train", overrides=overrides or [], return_hydra_config=False)

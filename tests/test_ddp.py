@@ -82,6 +82,7 @@ FLAKY = ("reward.functions=[{_target_:gspo_lab.rewards.TaskReward},"
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_ranks_count_reward_errors_across_a_resume(rl_overrides, tmp_path):
     """A checkpoint holds both ranks' error counts summed, and rank 0 alone resumes with them: resumed in place
     after 2 of 4 RL steps, the logged totals are the uninterrupted run's (when each rank restored the count rank 0

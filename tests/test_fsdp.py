@@ -75,6 +75,7 @@ def test_fsdp_ranks_decode_together_when_their_completions_end_at_different_step
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_fsdp_resumes_from_its_checkpoint_to_the_uninterrupted_metrics(rl_overrides, tmp_path):
     overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + ["train.eval_every=0"]
     strategy = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.precision=32-true"]

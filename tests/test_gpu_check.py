@@ -119,7 +119,9 @@ DRY_RUN_HOLDS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", [step.name for step in gpu_check.STEPS if step.name != "vllm_bf16_mixed"])
+@pytest.mark.parametrize("step", [
+    pytest.param(step.name, marks=[pytest.mark.long] if step.name.startswith("bench") else [])  # a minute each
+    for step in gpu_check.STEPS if step.name != "vllm_bf16_mixed"])
 def test_the_dry_run_runs_every_step(step, tmp_path):
     """Each step of `--cpu --tiny` on its own (`--only`), so the suite's workers run them side by side (all of them
     in one process took 196 s); the vLLM step has its tests above."""

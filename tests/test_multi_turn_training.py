@@ -15,6 +15,7 @@ from tests.test_train import read_rows, without_timing
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_trl_tool_and_environment_train_unchanged_through_the_config(compose, tool_rl, tmp_path):
     cfg = compose(tool_rl + [f"paths.output_dir={tmp_path / 'run'}"])
     start, _, _ = policy_from_config(cfg, instantiate(cfg.task))
@@ -54,6 +55,7 @@ def test_the_tools_tokens_are_attended_and_out_of_the_loss(compose, tool_rl, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_runs_of_one_seed_with_an_environment_that_draws_random_numbers_log_the_same_metrics(compose, tool_rl,
                                                                                                  tmp_path):
     """RandomStart draws its start in reset() and its reward in get_reward() with `random` (TRL's IncrementEnv doc

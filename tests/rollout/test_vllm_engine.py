@@ -199,6 +199,7 @@ def test_a_lagged_run_samples_each_step_with_the_weights_k_steps_back(compose, r
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_run_on_vllm_learns_the_default_task_as_one_on_transformers(cold_start_cache, tmp_path):
     """The default experiment for 150 RL steps on seeds 0-2 with each backend, in one multirun process (each job
     starts and closes its own engine): every vLLM run gains, and the backends' mean gains differ by less than
