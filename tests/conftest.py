@@ -22,6 +22,16 @@ os.environ.setdefault("WANDB_MODE", "offline")
 TINY = ["model.config.num_hidden_layers=1", "model.config.hidden_size=64", "model.config.moe_intermediate_size=32"]
 
 
+def pytest_configure(config) -> None:
+    """A pytest-xdist worker computes on its share of the cores: two workers of two torch threads each on two cores
+    ran the numerics tests three times slower than one process (OpenMP threads spinning against each other)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # what the tests' subprocesses inherit
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     """Tests marked `long` first: under pytest-xdist (worksteal) a worker starts each at once and the others take
     the rest, where one met at the end of a queue kept the suite waiting on a single core."""
