@@ -158,7 +158,8 @@ def policy_from_config(cfg: DictConfig, task) -> tuple[Any, Any, dict[str, Any]]
     rollout = instantiate(cfg.rollout) if "rollout" in cfg else RolloutConfig()
     limits = {"max_tool_calls": rollout.max_tool_calls, "max_tool_response_tokens": rollout.max_tool_response_tokens}
     if task.toolset is not None and limits != {"max_tool_calls": None, "max_tool_response_tokens": None}:
-        model_cfg["tool_limits"] = limits  # the evaluation that stops it early runs with them; the defaults keep the key
+        # the evaluation that stops it early runs with them; the defaults keep the key
+        model_cfg["tool_limits"] = limits
     key = cache_key(model_cfg, OmegaConf.to_container(cfg.task, resolve=True), sft, seed)
     model, tokenizer, info = cold_start(model_source, task, sft, seed, key, cfg.paths.cache_dir, accelerator, check,
                                         precision, prompt, rollout)

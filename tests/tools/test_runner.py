@@ -10,8 +10,8 @@ import pytest
 
 from gspo_lab.tools import ToolRunner, Toolset
 from gspo_lab.tools.runner import call_environment, call_tool, finish_environment, start_environment
-from tests.tools.trl_style import (CounterEnv, NoArguments, RandomStart, ResetFails, Resets, Shouter, add, explode, flood,
-                                   held_environments, multiply, spawn_and_stall, stall, write_file)
+from tests.tools.trl_style import (CounterEnv, NoArguments, RandomStart, ResetFails, Resets, Shouter, add, explode,
+                                   flood, held_environments, multiply, spawn_and_stall, stall, write_file)
 
 
 def test_sync_and_async_tools_and_a_raising_one():

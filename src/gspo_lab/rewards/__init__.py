@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Failures", "GradingPool", "Judge", "RewardContractError", "RewardFunction", "RewardModel", "Scores", "TaskReward",
     "WeightedRewards",
-    "boxed_match", "build_rewards", "check_signature", "environment_reward", "exact_match", "gold_reward", "math_accuracy",
-    "may_hang", "numeric_match", "reward_name", "soft_overlong_punishment", "think_format", "unwrapped",
+    "boxed_match", "build_rewards", "check_signature", "environment_reward", "exact_match", "gold_reward",
+    "math_accuracy", "may_hang", "numeric_match", "reward_name", "soft_overlong_punishment", "think_format",
+    "unwrapped",
 ]
 
 

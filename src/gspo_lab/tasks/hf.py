@@ -167,7 +167,8 @@ class HFDataset(JsonlTask):
         except KeyError:
             hint = ("; with a reward that needs no reference answer (an environment, a reward model, a judge), set "
                     "task.answer_column=null" if key == "task.answer_column" else "")
-            raise ValueError(f"{key}={name!r} is not a column of {where}; its columns are {sorted(row)}{hint}") from None
+            raise ValueError(f"{key}={name!r} is not a column of {where}; its columns are {sorted(row)}"
+                             f"{hint}") from None
 
     def _example(self, row: dict, where: str) -> Example | None:
         prompt = self._column(row, "task.prompt_column", self.prompt_column, where)

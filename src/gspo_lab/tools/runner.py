@@ -105,11 +105,10 @@ def seeded(seed: int | None) -> None:
 
 def start_environment(key: str, factory: Callable, columns: dict, seed: int | None = None) -> Any:
     """Reset slot `key`'s environment (built with `factory()` where the slot has none) with the row's columns
-    (TRL: `reset(**row)`; a reset without **kwargs gets the columns it names, `def reset(self)` none), from `seed`; returns what reset returns (None or a string that extends the prompt). An
-    instance whose reset raised is closed and dropped: the slot builds a new one next time."""
+    (TRL: `reset(**row)`; a reset without **kwargs gets the columns it names, `def reset(self)` none), from `seed`;
+    returns what reset returns (None or a string that extends the prompt). An instance whose reset raised is closed
+    and dropped: the slot builds a new one next time."""
     if key not in _ENVIRONMENTS:
-        if not _ENVIRONMENTS:
-            atexit.register(close_environments)
         _ENVIRONMENTS[key] = factory()
     seeded(seed)
     reset = _ENVIRONMENTS[key].reset
@@ -140,6 +139,9 @@ def close_environments() -> None:
             drop_environment(key)
         except Exception as error:  # noqa: BLE001 - one close that raises does not keep the others open
             print(f"closing environment {key}: {error!r}", file=sys.stderr)
+
+
+atexit.register(close_environments)  # a worker that stops closes what it holds (elsewhere it holds nothing)
 
 
 def call_environment(key: str, method: str, arguments: dict, seed: int | None = None, limit: int | None = None
