@@ -138,7 +138,7 @@ def test_data_without_an_answer_column_trains_where_the_reward_needs_none(byo, c
     overrides = [o for o in byo if not o.startswith(("task.answer_pattern", "task.solution_column", "task.path",
                                                      "reward.", "train.eval_every"))]
     overrides += [f"task.path={questions}", f"paths.output_dir={tmp_path / 'run'}"]
-    with pytest.raises(ConfigError, match=r"task.answer_column='answer' is not a column .* answer_column=null"):
+    with pytest.raises(ConfigError, match=r"task.answer_column='answer' is not a column .*task.answer_column=null"):
         plan(compose(overrides))
     length = "reward.functions=[{_target_:tests.rewards.user_rewards.LengthPenalty,per_char:0.02}]"
     free = overrides + ["task.answer_column=null", "train.eval_every=0"]

@@ -17,7 +17,12 @@ from tests.test_train import read_rows, without_timing
 @pytest.mark.slow
 @pytest.mark.long
 def test_a_trl_tool_and_environment_train_unchanged_through_the_config(compose, tool_rl, tmp_path):
-    cfg = compose(tool_rl + [f"paths.output_dir={tmp_path / 'run'}"])
+    # a length term besides the task's and the environment's rewards: the short cold start's samples can all score
+    # the same on those two (0.5 each, seen under another thread count), which leaves nothing to update with
+    rewards = ("reward.functions=[{_target_: gspo_lab.rewards.TaskReward, weight: 1.0},"
+               "{_target_: gspo_lab.rewards.environment_reward, weight: 0.1},"
+               "{_target_: tests.rewards.user_rewards.LengthPenalty, weight: 0.5, per_char: 0.02}]")
+    cfg = compose(tool_rl + [f"paths.output_dir={tmp_path / 'run'}", rewards])
     start, _, _ = policy_from_config(cfg, instantiate(cfg.task))
     train(cfg)
     rows = read_rows(tmp_path / "run")

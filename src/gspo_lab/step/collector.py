@@ -257,8 +257,9 @@ def sequence_kl(behave_logp: torch.Tensor, initial_logp: torch.Tensor, mask: tor
     >>> sequence_kl(torch.tensor([[-2.0]]), torch.tensor([[-1.0]]), torch.tensor([[1]])) > 0  # k1 would be -1
     tensor(True)
     """
-    delta = (initial_logp - behave_logp) * mask  # [B, C], 0 off the model's tokens
-    return ((delta.exp() - 1 - delta) * mask).sum(-1).mean()
+    delta = ((initial_logp - behave_logp) * mask).double()  # [B, C], 0 off the model's tokens
+    # expm1 keeps δ²/2 where δ is tiny; the clamp takes off what rounding leaves below 0 (k3 >= 0 exactly)
+    return ((torch.expm1(delta) - delta).clamp(min=0) * mask).sum(-1).mean().to(behave_logp.dtype)
 
 
 def staleness_metrics(versions: torch.Tensor, step: int, max_staleness: int) -> dict[str, float]:
