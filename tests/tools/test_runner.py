@@ -107,6 +107,7 @@ def test_an_async_tools_background_task_lives_across_calls():
 def test_a_lambda_or_a_function_builds_the_environment():
     """TRL's environment_factory takes any callable: a lambda goes to the worker by value, a function by its import
     path; the tools are the methods of what it builds."""
+    assert Toolset.of([], functools.partial(Resets, "/nonexistent")).environment_class is Resets  # none built
     by_lambda = Toolset.of([], lambda: CounterEnv())
     by_path = Toolset.of([], "tests.tools.trl_style.make_counter")
     assert by_lambda.environment_class is by_path.environment_class is CounterEnv

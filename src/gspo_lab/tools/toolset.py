@@ -21,6 +21,7 @@ import path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import types
@@ -31,7 +32,8 @@ from transformers.utils import get_json_schema
 
 from gspo_lab.tools.runner import portable
 
-ENVIRONMENT_HOOKS = ("reset", "get_reward")  # an environment's methods that are not tools
+# an environment's methods that are not tools: TRL's two, and close(), which the workers call when they stop
+ENVIRONMENT_HOOKS = ("reset", "get_reward", "close")
 
 
 def imported(path: str | Callable | type, where: str) -> Callable | type:
@@ -47,7 +49,8 @@ def imported(path: str | Callable | type, where: str) -> Callable | type:
 
 
 def environment_methods(environment: type) -> list[str]:
-    """The names of an environment class's tools: its public methods but reset and get_reward (TRL's rule)."""
+    """The names of an environment class's tools: its public methods but reset and get_reward (TRL's rule) and
+    close (called at the end, never by the model)."""
     return [name for name, _ in inspect.getmembers(environment, predicate=inspect.isfunction)
             if not name.startswith("_") and name not in ENVIRONMENT_HOOKS]
 
@@ -61,11 +64,13 @@ def method_of(environment: type, name: str) -> Callable:
 
 
 def environment_class(factory: Callable, where: str) -> type:
-    """The class of the environments `factory` builds: the factory itself where it is a class, else the class of
-    one instance built here (and closed); refused, naming `where`, where it is not callable or builds something
-    without reset()."""
+    """The class of the environments `factory` builds: the factory itself where it is a class, or the class a
+    functools.partial binds, else the class of one instance built here (and closed); refused, naming `where`, where
+    it is not callable or builds something without reset()."""
     if inspect.isclass(factory):
         found = factory
+    elif isinstance(factory, functools.partial) and inspect.isclass(factory.func):  # Hydra's _partial_: no instance
+        found = factory.func
     elif callable(factory):
         try:
             instance = factory()
