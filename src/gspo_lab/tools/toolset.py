@@ -5,9 +5,9 @@ unchanged:
   docstring (transformers' `get_json_schema`, as `apply_chat_template(tools=...)` takes it);
 - an environment comes from any callable that builds one (TRL's `environment_factory`): a class, a function, a
   functools.partial (Hydra's `_partial_: true`), a lambda; `reset(**columns)` returns None or a string that extends
-  the prompt, an optional `get_reward()` returns the row's reward, and every other public method is a tool. A
-  factory that is not a class is called once here, as TRL does, to learn its instances' class (its methods are the
-  tools), and that instance closed.
+  the prompt, an optional `get_reward()` returns the row's reward, an optional `close()` runs at the end, and every
+  other public method is a tool. A factory that is neither a class nor a partial of one is called once here, as TRL
+  does, to learn its instances' class (its methods are the tools), and that instance closed.
 
 `task.tools: [my_module.my_tool]` and `task.environment: my_module.MyEnv` (or `my_module.make_env`) name them by
 import path.
