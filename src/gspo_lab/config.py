@@ -131,7 +131,7 @@ class RolloutConfig:
         if self.async_mode == "overlap":
             self.check_overlap()
         else:
-            self.check_lagged()
+            self.refuse_overlap_settings()
         _require(not (self.max_staleness and self.backend == "replay"), "rollout.max_staleness", self.max_staleness,
                  "recorded completions (rollout.backend=replay) have no weight version; use 0")
         _require(self.rescore in (None, *RESCORERS), "rollout.rescore", self.rescore,
@@ -162,7 +162,7 @@ class RolloutConfig:
                  self.stop_token_ids, "must be a list of token ids (integers >= 0)")
         self.stop_token_ids = ids
 
-    def check_lagged(self) -> None:
+    def refuse_overlap_settings(self) -> None:
         """Settings of async_mode=overlap alone, refused under lagged mode, where they would do nothing: its rollout
         is generated in the step from the version k steps back, so nothing is queued, waited for or dropped."""
         _require(self.stale_policy == "wait", "rollout.stale_policy", self.stale_policy,

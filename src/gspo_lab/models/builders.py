@@ -309,8 +309,7 @@ def check_context(model: PreTrainedModel, tokenizer, task, max_new_tokens: dict[
         encoded = tokenizer([e.prompt for e in examples])
     else:  # as the rollout renders them: a multi-turn task's prompts list its tools' schemas
         tools = toolset.schemas() if toolset is not None else None
-        encoded = tokenizer([render.text(e, tools=tools) for e in examples],
-                            add_special_tokens=render.add_special_tokens)
+        encoded = tokenizer(render.texts(examples, tools), add_special_tokens=render.add_special_tokens)
     longest = max(len(ids) for ids in encoded["input_ids"])
     for key, tokens in max_new_tokens.items():
         if longest + tokens > limit:

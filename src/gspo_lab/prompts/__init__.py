@@ -100,5 +100,5 @@ class Renderer:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra,
                                                   **self.format.chat_template_kwargs)
 
-    def texts(self, examples: list[Example]) -> list[str]:
-        return [self.text(example) for example in examples]
+    def texts(self, examples: list[Example], tools: list[dict] | None = None) -> list[str]:
+        return [self.text(example, tools=tools) for example in examples]

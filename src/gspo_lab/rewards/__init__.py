@@ -75,7 +75,6 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero", failure_
     # TRL's form: a model path or id in the reward list is a reward model (AutoModelForSequenceClassification)
     items = [{"_target_": "gspo_lab.rewards.RewardModel", "path": item} if isinstance(item, str) else item
              for item in items]
-    items = with_environment_reward(items, task)
     columns = None if task is None else task.columns()
     if columns is not None and not task.has_answers:  # task.answer_column=null: a function that needs it is refused
         columns.remove("answer")
@@ -83,6 +82,9 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero", failure_
     if environment:  # a multi-turn rollout's: TRL's `environments` (its rows' instances) and get_reward's value
         columns += ["environments", "environment_reward"]
     functions = [_function(dict(item), task, columns, f"reward.functions.{i}") for i, item in enumerate(items)]
+    added = environment_reward_item(functions, task)
+    if added is not None:
+        functions.append(_function(added, task, columns, f"reward.functions.{len(functions)}"))
     num_workers, timeout_s = cfg.get("num_workers", 0), cfg.get("timeout_s", 10.0)
     hanging = [f.name for f in functions if may_hang(f.fn)]
     if num_workers is None:  # auto: a worker where a function can hang, else grading in this process
@@ -105,21 +107,19 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero", failure_
     return WeightedRewards(functions, runner, on_error, failure_stop_frac)
 
 
-def with_environment_reward(items: list, task) -> list:
-    """`items`, with the environment's get_reward() added at weight 1, named after its class (reward/<class>/...),
-    where the task's environment has one and no item reads it already (TRL adds it by itself, so named). An
-    `environment_reward` item of any weight, 0 included, takes its place."""
+def environment_reward_item(functions: list[RewardFunction], task) -> dict | None:
+    """The reward item of the environment's get_reward(), at weight 1, named after its class (reward/<class>/...),
+    where the task's environment has one and none of `functions` reads it already (TRL adds it by itself, so
+    named); None otherwise. An `environment_reward` function of any weight, 0 included, takes its place."""
     toolset = getattr(task, "toolset", None)
     if toolset is None or not callable(getattr(toolset.environment_class, "get_reward", None)):
-        return items
-    target = f"{environment_reward.__module__}.{environment_reward.__name__}"
-    if any(item.get("_target_") in (target, "gspo_lab.rewards.environment_reward") for item in items):
-        return items
+        return None
+    if any(unwrapped(f.fn) is environment_reward for f in functions):
+        return None
     log.info("task.environment=%s has get_reward(): added to the rewards as %s, weight 1 (as TRL adds it); an "
              "environment_reward entry in reward.functions, weight 0 included, replaces it",
              toolset.environment_name, toolset.environment_name)
-    return [*items, {"_target_": "gspo_lab.rewards.environment_reward", "weight": 1.0,
-                     "name": toolset.environment_name}]
+    return {"_target_": "gspo_lab.rewards.environment_reward", "weight": 1.0, "name": toolset.environment_name}
 
 
 def may_hang(fn) -> bool:

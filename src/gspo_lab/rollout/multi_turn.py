@@ -43,7 +43,7 @@ from gspo_lab.rollout.sampling import draw_row_seeds
 from gspo_lab.rollout.trajectory import Trajectory, assemble
 from gspo_lab.tools import ToolCall, ToolRunner, Toolset, parse_tool_calls
 from gspo_lab.tools.runner import (EnvironmentLost, RemoteEnvironment, call_environment, call_tool,
-                                   drop_environment, finish_environment, start_environment)
+                                   drop_environment, finish_environment, reset_columns, start_environment)
 from gspo_lab.tools.template import check_prefix_preserving, prepare_as_trl, tool_suffix_ids
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class MultiTurn:
         reset returned (a row whose environment failed to start is lost)."""
         if self.toolset.environment is None:
             return [None] * len(rows)
-        columns = [{"prompt": e.prompt, "answer": e.answer, **e.meta} for e in examples]  # TRL: reset(**row)
+        columns = [reset_columns(e) for e in examples]
         calls = [(n, start_environment, (row.key, self.toolset.environment, row_columns, environment_seed(row.seed)))
                  for n, (row, row_columns) in enumerate(zip(rows, columns))]
         outcomes, _ = self.runner.run(calls)
@@ -316,7 +316,7 @@ class MultiTurn:
         if self.toolset.environment is None:
             return
         key = f"{self.slots}/preflight"
-        columns = {"prompt": example.prompt, "answer": example.answer, **example.meta}
+        columns = reset_columns(example)
         (outcome,), _ = self.runner.run([(0, start_environment, (key, self.toolset.environment, columns, 0))])
         self.runner.run([(0, drop_environment, (key,))])
         if outcome.failure is not None:

@@ -103,6 +103,11 @@ def seeded(seed: int | None) -> None:
         sys.modules["torch"].manual_seed(seed)
 
 
+def reset_columns(example) -> dict:
+    """What an environment's reset gets of a row (TRL: `reset(**row)`): its prompt, answer and other columns."""
+    return {"prompt": example.prompt, "answer": example.answer, **example.meta}
+
+
 def start_environment(key: str, factory: Callable, columns: dict, seed: int | None = None) -> Any:
     """Reset slot `key`'s environment (built with `factory()` where the slot has none) with the row's columns
     (TRL: `reset(**row)`; a reset without **kwargs gets the columns it names, `def reset(self)` none), from `seed`;
@@ -250,8 +255,11 @@ class ToolRunner:
             if pool.replaced != before:
                 replaced.add(k)
 
-        with ThreadPoolExecutor(max_workers=len(by_pool) or 1) as threads:
-            list(threads.map(run_pool, by_pool))
+        if len(by_pool) == 1:  # one worker's calls (a preflight, a RemoteEnvironment's read): no thread to start
+            run_pool(next(iter(by_pool)))
+        else:
+            with ThreadPoolExecutor(max_workers=len(by_pool) or 1) as threads:
+                list(threads.map(run_pool, by_pool))
         return outcomes, replaced  # type: ignore[return-value]
 
     def close(self) -> None:
