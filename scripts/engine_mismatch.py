@@ -22,7 +22,7 @@ import tempfile
 from hydra import compose, initialize_config_dir
 
 from gspo_lab import CONFIG_DIR
-from gspo_lab.rollout import vllm_setup
+from gspo_lab.rollout.vllm import setup as vllm_setup
 from gspo_lab.train import build
 
 DOSES = {

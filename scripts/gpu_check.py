@@ -386,7 +386,7 @@ def vllm_bf16_mixed(settings: Settings, timeout: float) -> str:
     sync, sampling and evaluation must not run under, once per engine dtype of VLLM_DTYPES (the bfloat16 one only
     if what is left fits another as long as the float32 one): the engine against the float32 trainer, then two RL
     steps of `gspo-train`. On CPU (the dry run) the same autocast, torch.autocast("cpu", bfloat16)."""
-    from gspo_lab.rollout import vllm_setup
+    from gspo_lab.rollout.vllm import setup as vllm_setup
     if not vllm_setup.available():
         return (f"Skipped: vLLM is not installed in this Python ({sys.executable}: `import vllm` finds nothing). The "
                 "GPU image has no vLLM, and its CUDA wheel is far larger than the 64 MiB the device tool carries.\n")

@@ -11,7 +11,7 @@ import torch
 
 from gspo_lab.models import TinyModel
 from gspo_lab.models.experts import recorded_kernels
-from gspo_lab.rollout import vllm_setup
+from gspo_lab.rollout.vllm import setup as vllm_setup
 from gspo_lab.rollout.generation import generate
 
 ROOT = Path(__file__).resolve().parent.parent

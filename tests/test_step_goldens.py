@@ -23,7 +23,7 @@ import pytest
 import torch
 import transformers
 
-from gspo_lab.rollout import vllm_setup
+from gspo_lab.rollout.vllm import setup as vllm_setup
 from gspo_lab.train import train
 
 GOLDENS = Path(__file__).parent / "golden" / "step"

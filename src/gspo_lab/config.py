@@ -22,8 +22,6 @@ from gspo_lab.engine_settings import (  # noqa: F401 - re-exported: conf/ names 
 )
 
 REPLAY_MODES = ("off", "r2", "r3")
-# rollout.rescore values: the backends that can score tokens they did not sample (gspo_lab.rollout.rescore)
-RESCORERS = ("hf", "vllm")
 
 
 @dataclass
@@ -132,14 +130,12 @@ class RolloutConfig:
             self.check_overlap()
         else:
             self.refuse_overlap_settings()
-        _require(not (self.max_staleness and self.backend == "replay"), "rollout.max_staleness", self.max_staleness,
-                 "recorded completions (rollout.backend=replay) have no weight version; use 0")
-        _require(self.rescore in (None, *RESCORERS), "rollout.rescore", self.rescore,
-                 f"must be null or one of {list(RESCORERS)} (an engine that scores tokens it did not sample)")
-        _require(not (self.rescore and self.backend == "replay"), "rollout.rescore", self.rescore,
-                 "recorded completions (rollout.backend=replay) come with no engine log-probs to replace; use null")
-        if self.logprobs_from_generation is None:
-            self.logprobs_from_generation = self.backend == "hf" and self.engine.is_trainer
+        _require(self.rescore is None or isinstance(self.rescore, str), "rollout.rescore", self.rescore,
+                 "must be null or name a backend that scores (gspo_lab.rollout.backend.Scorer)")
+        if self.logprobs_from_generation is None:  # what the backend can do (gspo_lab.rollout.backend), not its name
+            from gspo_lab.rollout.backend import backend_class
+
+            self.logprobs_from_generation = backend_class(self.backend).exact_logprobs(self)
         _require(isinstance(self.logprobs_from_generation, bool), "rollout.logprobs_from_generation",
                  self.logprobs_from_generation, "must be null, true or false")
         _positive_int("rollout.prompts_per_step", self.prompts_per_step)
@@ -174,9 +170,6 @@ class RolloutConfig:
     def check_overlap(self) -> None:
         """What async_mode=overlap needs of the other rollout settings: a vLLM engine generating whole single-round
         rollouts ahead of the trainer, at most k versions old."""
-        _require(self.backend == "vllm", "rollout.async_mode", self.async_mode,
-                 f"overlap runs a vLLM engine in a process of its own; rollout.backend={self.backend!r} must be vllm "
-                 "(or use async_mode=lagged, which runs on every backend)")
         _require(self.max_staleness >= 1, "rollout.async_mode", self.async_mode,
                  "overlap generates ahead of the trainer, so its rows are stale: set rollout.max_staleness >= 1")
         queue = self.overlap.queue_size

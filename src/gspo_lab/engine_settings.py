@@ -64,7 +64,7 @@ class EngineConfig:
 
 @dataclass
 class VLLMConfig:
-    """vLLM's settings for rollout.backend=vllm (gspo_lab.rollout.vllm_engine); the rest is vLLM's defaults.
+    """vLLM's settings for rollout.backend=vllm (gspo_lab.rollout.vllm.engine); the rest is vLLM's defaults.
 
     Args:
         dtype: the engine's weights and compute ("float32", "bfloat16", "float16"); null: the trainer model's.

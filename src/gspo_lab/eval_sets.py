@@ -176,7 +176,7 @@ def evaluation_backend(engine: RolloutBackend | None, model: torch.nn.Module, se
     dtype the trainer computes in (autocast's where trainer.precision turns it on)."""
     if setting == "rollout" and engine is not None and engine.serves_evaluation:
         engine.sync()
-        return engine, eval_engine_columns(engine.name == "vllm", engine.dtype)
+        return engine, eval_engine_columns(True, engine.dtype)  # the backend's engine (vLLM's), not transformers
     weight = next(model.parameters())
     device = weight.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype

@@ -24,8 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from gspo_lab.eval_sets import build_eval
 from gspo_lab.objectives.micro_batches import check_splittable
 from gspo_lab.rewards import build_rewards, math_accuracy, unwrapped
-from gspo_lab.rollout.backend import RunSettings, backend_class, check_lagged
-from gspo_lab.rollout.rescore import check_rescore
+from gspo_lab.rollout.backend import RunSettings, backend_class, check_capabilities
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.tasks import HFDataset
 
@@ -92,11 +91,10 @@ def plan(cfg: DictConfig) -> Plan:
         settings = RunSettings(parts["rollout"], parts["train"], parts["routing"], parts["evaluation"].settings,
                                model_source, "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
                                isinstance(trainer.strategy, ModelParallelStrategy), trainer.num_nodes)
+        check_capabilities(backend, settings, multi_turn=parts["task"].toolset is not None)
         backend.check(settings)
-        check_lagged(backend, parts["rollout"])
         if parts["rollout"].rescore not in (None, parts["rollout"].backend):  # the scoring engine's own refusals
             backend_class(parts["rollout"].rescore).check(settings)
-        check_rescore(parts["rollout"])
         check_strategy(model_source, trainer, parts["rollout"])
         if parts["rollout"].async_mode == "overlap":
             check_overlap(parts["rollout"], settings.device, trainer.world_size)
@@ -130,11 +128,8 @@ def check_optimizer(optimizer, settings: DictConfig) -> None:
 
 
 def check_multi_turn(task, rollout) -> None:
-    """A task with tools or an environment (multi-turn, gspo_lab.rollout.multi_turn) on a backend that continues
-    from token ids (hf, vllm)."""
-    if task.toolset is not None and rollout.backend == "replay":
-        raise ValueError("rollout.backend=replay with task.tools or task.environment: a recorded completion cannot "
-                         "answer a tool result; use rollout.backend=hf or vllm")
+    """A task with tools or an environment (multi-turn, gspo_lab.rollout.multi_turn) in a synchronous or lagged
+    rollout (the backend's own part: gspo_lab.rollout.backend.check_capabilities)."""
     if task.toolset is not None and rollout.async_mode == "overlap":
         raise ValueError("rollout.async_mode=overlap with task.tools or task.environment: the multi-turn loop runs the "
                          "tools in the trainer's process between the engine's turns; use async_mode=lagged")

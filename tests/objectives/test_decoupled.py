@@ -99,7 +99,8 @@ def test_stale_rollouts_without_a_correction_and_decoupled_bypass_are_refused_at
     for way in (["rollout.logprobs_from_generation=true"], ["objective.decoupled=true"],
                 ["objective.rollout_correction=tis_token"]):
         plan(compose(["rollout.max_staleness=2", "rollout.logprobs_from_generation=false", out] + way))
-    with pytest.raises(ConfigError, match=r"rollout.async_mode='overlap' is invalid: overlap runs a vLLM engine"):
+    with pytest.raises(ConfigError, match=r"rollout.async_mode=overlap with rollout.backend=hf: overlap generates in "
+                                          r"a process of its own .* RolloutEngine does not declare runs_apart = True"):
         plan(compose(["rollout.max_staleness=1", "rollout.async_mode=overlap", out]))
     with pytest.raises(ConfigError, match=r"rollout.max_staleness=-1 is invalid: must be an integer >= 0"):
         plan(compose(["rollout.max_staleness=-1", out]))

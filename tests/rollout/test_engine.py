@@ -15,7 +15,7 @@ from gspo_lab import CONFIG_DIR
 from gspo_lab.config import EngineConfig, RolloutConfig, VLLMConfig
 from gspo_lab.models import TinyModel
 from gspo_lab.rollout import generate, token_logprobs
-from gspo_lab.rollout import vllm_setup
+from gspo_lab.rollout.vllm import setup as vllm_setup
 from gspo_lab.rollout.engine import RolloutEngine
 from gspo_lab.routing import is_moe, record_routing, replay_routing
 from gspo_lab.step.probe import engine_mismatch

@@ -1,5 +1,5 @@
 """rollout.async_mode=overlap: a vLLM engine process generates ahead of the trainer (gspo_lab.rollout.overlap,
-gspo_lab.rollout.vllm_process). On vLLM's CPU build (make test-vllm): no trained row is more than k versions old,
+gspo_lab.rollout.vllm.process). On vLLM's CPU build (make test-vllm): no trained row is more than k versions old,
 under wait and under drop, the engine's log-probs are those of the version each row records, a resumed run goes
 on, and the engine process ends with the run. Everywhere: the weight buffer's layout, the core split and the
 refusals."""
@@ -17,7 +17,7 @@ import torch
 from gspo_lab.config import OverlapConfig, RolloutConfig
 from gspo_lab.rollout import token_logprobs
 from gspo_lab.rollout.overlap import split_cores
-from gspo_lab.rollout.vllm_process import ALIGN, Layout
+from gspo_lab.rollout.vllm.process import ALIGN, Layout
 from gspo_lab.train import ConfigError, build, plan
 
 VLLM = ["rollout.backend=vllm", "rollout.logprobs_from_generation=true"]
@@ -50,7 +50,6 @@ def test_the_engine_gets_the_cores_named_and_the_trainer_the_rest():
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"max_staleness": 1}, "rollout.backend='hf' must be vllm"),
     ({"backend": "vllm"}, "set rollout.max_staleness >= 1"),
     ({"backend": "vllm", "max_staleness": 1, "overlap": OverlapConfig(queue_size=2)},
      "rollout.overlap.queue_size=2 is invalid: under rollout.stale_policy=wait"),

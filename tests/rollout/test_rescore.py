@@ -5,15 +5,15 @@ logprobs_from_generation=true). The vLLM side is in tests/rollout/test_vllm_engi
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from gspo_lab.config import RolloutConfig
 from gspo_lab.rollout import token_logprobs
-from gspo_lab.rollout.backend import Sampling
+from gspo_lab.rollout.backend import RunSettings, Sampling, backend_class, check_capabilities
 from gspo_lab.rollout.engine import RolloutEngine
-from gspo_lab.rollout.rescore import check_rescore
 from gspo_lab.train import build
 
 # float32 log-probs of one model, computed one token at a time with a KV cache against one forward over the whole
@@ -59,17 +59,26 @@ def test_a_run_takes_pi_old_from_the_rescoring_engine(compose, fast_rl, tmp_path
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"rescore": "sglang"}, r"rollout.rescore='sglang' is invalid: must be null or one of \['hf', 'vllm'\]"),
-    ({"rescore": "hf", "backend": "replay"}, r"rollout.rescore='hf' is invalid: recorded completions"),
+    ({"rescore": "sglang"}, r"rollout.rescore='sglang' is invalid: must be null or a backend that scores tokens it "
+                            r"did not sample \(a Scorer: one of \['hf', 'vllm'\]\)"),
+    ({"rescore": "replay"}, r"rollout.rescore='replay' is invalid: must be null or a backend that scores"),
+    ({"rescore": "hf", "backend": "replay"}, r"rollout.rescore=hf with rollout.backend=replay: rescoring replaces the "
+                                             r"generating engine's log-probs, and ReplayBackend does not declare "
+                                             r"returns_logprobs = True"),
+    ({"rescore": "vllm", "temperature": 0.7}, r"rollout.rescore=vllm with rollout.temperature=0.7: vLLM scores a "
+                                              r"prompt's tokens on its raw logits"),
 ])
 def test_bad_rescore_settings_name_the_key_the_value_and_the_rule(settings, message):
     with pytest.raises(ValueError, match=message):
-        RolloutConfig(**settings)
+        capabilities_checked(RolloutConfig(**settings))
 
 
-def test_vllm_cannot_rescore_at_another_temperature():
-    with pytest.raises(ValueError, match=r"rollout.rescore=vllm with rollout.temperature=0.7: vLLM scores a prompt's "
-                                         r"tokens on its raw logits"):
-        check_rescore(RolloutConfig(rescore="vllm", temperature=0.7))
-    check_rescore(RolloutConfig(rescore="vllm"))
-    check_rescore(RolloutConfig(rescore="hf", temperature=0.7))
+def test_a_scorer_rescores_at_the_temperatures_it_can():
+    capabilities_checked(RolloutConfig(rescore="vllm"))
+    capabilities_checked(RolloutConfig(rescore="hf", temperature=0.7))
+
+
+def capabilities_checked(rollout: RolloutConfig) -> None:
+    """What the plan checks of the backend's capabilities for `rollout` (no tools, no replay)."""
+    run = RunSettings(rollout, None, SimpleNamespace(replay="off"), None, None, "cpu", False)
+    check_capabilities(backend_class(rollout.backend), run, multi_turn=False)

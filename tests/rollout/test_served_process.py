@@ -1,4 +1,4 @@
-"""Stopping a served process (gspo_lab.rollout.vllm_process.stopped: the overlap engine's and the judge engine's
+"""Stopping a served process (gspo_lab.rollout.vllm.process.stopped: the overlap engine's and the judge engine's
 processes): a process stopped by SIGSTOP is continued and reads its stop request, rather than being waited on for a
 minute and killed; and a judge engine that answers nothing names the key of its timeout."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from gspo_lab.rewards.judge_engine import JudgeEngine
-from gspo_lab.rollout.vllm_process import stopped
+from gspo_lab.rollout.vllm.process import stopped
 
 
 def serve(requests, results) -> None:

@@ -127,8 +127,8 @@ def test_lagged_mode_is_refused_for_a_backend_that_samples_the_trainers_model(co
     """Such a backend reported staleness_max 2 while sampling the current weights: lagged mode reaches a backend
     through its sync() alone."""
     backend = f"{__name__}:SamplesTheTrainersModel"
-    with pytest.raises(ConfigError, match=r"rollout.max_staleness=2 with rollout.backend=.*SamplesTheTrainersModel "
-                                          r"does not declare samples_synced_weights = True"):
+    with pytest.raises(ConfigError, match=r"rollout.max_staleness=2 with rollout.backend=.*SamplesTheTrainersModel does "
+                                          r"not declare samples_synced_weights = True"):
         plan(compose(fast_rl + [f"rollout.backend='{backend}'", "rollout.max_staleness=2",
                                 "rollout.logprobs_from_generation=true", f"paths.output_dir={tmp_path}"]))
     plan(compose(fast_rl + [f"rollout.backend='{backend}'", f"paths.output_dir={tmp_path}"]))  # k = 0: no lag

@@ -20,8 +20,8 @@ from gspo_lab.eval_sets import evaluation_backend
 from gspo_lab.rollout import token_logprobs
 from gspo_lab.rollout.sampling import draw_row_seeds
 from gspo_lab.rollout.backend import Sampling
-from gspo_lab.rollout.vllm_engine import NarrowingLoadFilter, VLLMEngine, _reload, checkpoint_weights
-from gspo_lab.rollout.vllm_setup import BUFFERS_SYNCED, persistent_buffer_names
+from gspo_lab.rollout.vllm.engine import NarrowingLoadFilter, VLLMEngine, _reload, checkpoint_weights
+from gspo_lab.rollout.vllm.setup import BUFFERS_SYNCED, persistent_buffer_names
 from gspo_lab.train import ConfigError, build, plan
 
 pytest.importorskip("vllm")
@@ -36,7 +36,7 @@ TINY = {"tiny_dense": ["model.config.num_hidden_layers=1", "model.config.hidden_
                        "model.config.intermediate_size=128"],
         "tiny_moe": ["model.config.num_hidden_layers=1", "model.config.hidden_size=64",
                      "model.config.moe_intermediate_size=32"]}
-# the families of the architectures whose persistent buffers a sync is shown to reach (vllm_setup.BUFFERS_SYNCED)
+# the families of the architectures whose persistent buffers a sync is shown to reach (gspo_lab.rollout.vllm.setup.BUFFERS_SYNCED)
 BUFFERS_SYNCED_FAMILIES = {"tiny_glm4_moe": "Glm4MoeForCausalLM", "tiny_exaone_moe": "ExaoneMoeForCausalLM"}
 
 
@@ -112,7 +112,7 @@ def test_the_samples_follow_their_seeds_whatever_the_batching_and_the_engine(com
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.engine.precision=bf16"], r"rollout.engine.\* simulates an inference engine on the hf backend"),
     (["rollout.engine.router_noise=0.1"], r"rollout.engine.\* simulates"),
-    (["routing.replay=r3"], r"routing.replay=r3 with rollout.backend=vllm"),
+    (["routing.replay=r3"], r"routing.replay=r3 with rollout.backend=vllm: r3 replays the experts the engine chose"),
     (["rollout.top_p=0.9"], r"rollout.top_p=0.9 with rollout.backend=vllm: vLLM's log-probs of a top-p sample"),
     (["model.config.head_dim=16"], r"the model's head size is 16, and vLLM's CPU attention kernels take multiples "
                                    r"of 32"),

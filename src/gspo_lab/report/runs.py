@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from gspo_lab.rollout.backend import backend_class
 from gspo_lab.report.run import is_set_metric, read_metrics, series
 from gspo_lab.report.stats import accuracy_noise
 
@@ -161,8 +162,9 @@ def load_run(path: Path) -> Run:
 
 def evaluating_engine(summary: dict | None, config: dict) -> str:
     """What generated a run's evaluations: summary.json's eval/engine, or for a run from before it was recorded,
-    what its config implies (vLLM's engine in its dtype for rollout.backend=vllm; else transformers on the trainer's
-    weights, in bfloat16 under a bf16 trainer.precision).
+    what its config implies (the backend's engine in its dtype, rollout.<backend>.dtype, where the backend serves
+    evaluation, as vLLM's does; else transformers on the trainer's weights, in bfloat16 under a bf16
+    trainer.precision).
 
     >>> evaluating_engine(None, {"rollout": {"backend": "vllm", "vllm": {"dtype": "bfloat16"}}})
     'vllm bfloat16'
@@ -174,10 +176,20 @@ def evaluating_engine(summary: dict | None, config: dict) -> str:
     model_dtype = (config.get("model") or {}).get("dtype") or "float32"
     rollout = config.get("rollout") or {}
     on_trainer = (config.get("eval") or {}).get("engine") == "trainer"
-    if rollout.get("backend") == "vllm" and not on_trainer:
-        return f"vllm {(rollout.get('vllm') or {}).get('dtype') or model_dtype}"
+    backend = rollout.get("backend") or "hf"
+    if not on_trainer and serves_evaluation(backend):
+        return f"{backend} {(rollout.get(backend) or {}).get('dtype') or model_dtype}"
     bf16 = str((config.get("trainer") or {}).get("precision", "")).startswith("bf16")
     return f"transformers {'bfloat16' if bf16 else model_dtype}"
+
+
+def serves_evaluation(backend: str) -> bool:
+    """Whether rollout.backend=`backend` evaluates through its own engine (False for a backend no longer
+    importable)."""
+    try:
+        return backend_class(backend).serves_evaluation
+    except ValueError:
+        return False
 
 
 def run_dirs(directory: Path) -> list[Path]:

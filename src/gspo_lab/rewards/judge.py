@@ -236,7 +236,7 @@ def judge_engine(path: str, dtype: str, settings: dict | None, device: torch.dev
     """The judge's vLLM engine (not started yet), its settings checked as rollout.vllm's are, named by `key`."""
     from gspo_lab.engine_settings import VLLMConfig
     from gspo_lab.rewards.judge_engine import JudgeEngine
-    from gspo_lab.rollout.vllm_setup import available
+    from gspo_lab.rollout.vllm.setup import available
 
     if not available():
         raise ValueError(f"{key}.backend=vllm needs vLLM installed (pip install -e '.[vllm]' on a GPU node, "

@@ -25,7 +25,7 @@ import traceback
 from dataclasses import dataclass
 
 from gspo_lab.engine_settings import VLLMConfig
-from gspo_lab.rollout.vllm_process import POLL_S, awaited, stopped
+from gspo_lab.rollout.vllm.process import POLL_S, awaited, stopped
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,8 @@ def judge_llm(spec: JudgeSpec):
         cores = sorted(os.sched_getaffinity(0))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         torch.set_num_threads(len(cores))
-    from gspo_lab.rollout.vllm_engine import engine_arguments
-    from gspo_lab.rollout.vllm_setup import environment
+    from gspo_lab.rollout.vllm.engine import engine_arguments
+    from gspo_lab.rollout.vllm.setup import environment
 
     environment()
     from vllm import LLM

@@ -2,7 +2,7 @@
 
     rollout.backend=hf     transformers' `generate` on the trainer's weights (gspo_lab.rollout.engine; a simulated
                            inference engine through rollout.engine.*)
-    rollout.backend=vllm   vLLM in this process (gspo_lab.rollout.vllm_engine; settings under rollout.vllm)
+    rollout.backend=vllm   vLLM in this process (gspo_lab.rollout.vllm.engine; settings under rollout.vllm)
     rollout.backend=replay completions recorded in a file (gspo_lab.rollout.replay; rollout.options.path)
 
 A backend is a class with the methods of `RolloutBackend`, built as `cls(model, rollout)` from the trainer's model
@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ from gspo_lab.rollout.completions import Generated
 # rollout.backend -> "module:class"; a module is imported when a run names its backend
 BACKENDS = {
     "hf": "gspo_lab.rollout.engine:RolloutEngine",
-    "vllm": "gspo_lab.rollout.vllm_engine:VLLMEngine",
+    "vllm": "gspo_lab.rollout.vllm.engine:VLLMEngine",
     "replay": "gspo_lab.rollout.replay:ReplayBackend",
 }
 
@@ -86,18 +86,33 @@ class RolloutBackend(Protocol):
     """What samples completions for the RL step (gspo_lab.step.collector) and for evaluation.
 
     name: its `rollout.backend` value.
-    serves_evaluation: whether evaluation generates through it under eval.engine=rollout (vLLM: its samples are
-        the engine's); otherwise evaluation runs transformers on the trainer's model.
     dtype: the dtype it computes in, as evaluation records it (eval/engine_mantissa_bits).
-    samples_synced_weights: whether it samples from the weights its last `sync` took (a copy of its own: hf's
-        engine under rollout.max_staleness > 0, vLLM), not from the trainer's model as it is when it generates.
-        rollout.async_mode=lagged hands the lagged weights over through `sync` alone, so it refuses a backend that
-        does not declare True (its rows would be the current weights' while counted k versions old).
+
+    What it can do, declared on the class and read by the plan (`check_capabilities`) and the step, never inferred
+    from its name:
+    continues_from_token_ids: `generate` takes token ids and continues from them as they are (a multi-turn rollout:
+        task.tools, task.environment).
+    samples_synced_weights: it samples from the weights its last `sync` took (a copy of its own: hf's engine under
+        rollout.max_staleness > 0, vLLM), not from the trainer's model as it is when it generates. A stale rollout
+        (rollout.max_staleness > 0) hands the lagged weights over through `sync` alone, so it needs True (else its
+        rows would be the current weights' while counted k versions old).
+    returns_logprobs: its log-probs are those of the engine that sampled (`rollout_logp`: mismatch/*, TIS/MIS, and
+        what rollout.rescore replaces), not the trainer's recomputed.
+    returns_experts: `generate` returns the experts the engine routed each prompt and completion token to (a
+        routing trace), which routing.replay=r3 replays.
+    serves_evaluation: evaluation generates through it under eval.engine=rollout (vLLM: its samples are the
+        engine's); otherwise evaluation runs transformers on the trainer's model.
+    runs_apart: it can generate in a process of its own while the trainer trains (rollout.async_mode=overlap).
+    A backend that can score tokens it did not sample is also a `Scorer` (rollout.rescore).
     """
 
     name: ClassVar[str]
-    serves_evaluation: ClassVar[bool]
+    continues_from_token_ids: ClassVar[bool]
     samples_synced_weights: ClassVar[bool]
+    returns_logprobs: ClassVar[bool]
+    returns_experts: ClassVar[bool]
+    serves_evaluation: ClassVar[bool]
+    runs_apart: ClassVar[bool]
 
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None: ...
 
@@ -105,6 +120,11 @@ class RolloutBackend(Protocol):
     def check(cls, run: RunSettings) -> None:
         """Refuse, at plan time, what this backend cannot run: a ValueError naming the key, the value and the
         rule."""
+
+    @classmethod
+    def exact_logprobs(cls, rollout: RolloutConfig) -> bool:
+        """Whether its log-probs are the trainer forward's own, exactly (hf with rollout.engine at its defaults): then
+        π_old is taken from them unless rollout.logprobs_from_generation says otherwise."""
 
     @property
     def dtype(self) -> str: ...
@@ -117,41 +137,74 @@ class RolloutBackend(Protocol):
         """One completion per prompt (a text, or token ids taken as they are: a multi-turn rollout continues from
         what was generated, never re-tokenised), row n sampled from the stream seeded by `row_seeds[n]` ([N]
         int64; None: greedy, or drawn here), with the engine's log-probs of the sampled tokens; `routing` (a
-        gspo_lab.routing.RoutingReplay, or None) records the experts where the backend can."""
+        gspo_lab.routing.RoutingReplay, or None) records the experts where the backend `returns_experts`."""
 
     def close(self) -> None:
         """Stop what the backend runs beside the trainer (vLLM's engine); nothing for an ordinary module."""
 
-    # optional: a backend that can score tokens it did not sample (rollout.rescore, gspo_lab.rollout.rescore) has
-    # score(tokenizer, completions: Completions, temperature: float) -> Tensor [N, C], the log-probs of the
-    # completion tokens under its current weights (0 on padding)
+
+@runtime_checkable
+class Scorer(Protocol):
+    """A backend that scores tokens it did not sample (rollout.rescore, gspo_lab.rollout.rescore)."""
+
+    @classmethod
+    def check_scoring(cls, rollout: RolloutConfig) -> None:
+        """Refuse, at plan time, a rollout it cannot score (vLLM: a temperature other than 1)."""
+
+    def score(self, tokenizer, completions, temperature: float) -> Tensor:
+        """The log-probs [N, C] of the completion tokens (a gspo_lab.rollout.completions.Completions) under its
+        current weights, 0 on padding."""
 
 
-def backend_class(name: str) -> type[RolloutBackend]:
+def backend_class(name: str, key: str = "rollout.backend") -> type[RolloutBackend]:
     """The class `BACKENDS` names for rollout.backend=`name`, or a class of your own package named as
     "package.module:Class"; its module imported now. ValueError for another name."""
     if name not in BACKENDS and ":" not in name:
-        raise ValueError(f"rollout.backend={name!r} is invalid: must be one of {list(BACKENDS)}, or a class of "
-                         "your own as 'package.module:Class'")
+        raise ValueError(f"{key}={name!r} is invalid: must be one of {list(BACKENDS)}, or a class of your own as "
+                         "'package.module:Class'")
     module, _, cls = BACKENDS.get(name, name).partition(":")
     try:
         return getattr(importlib.import_module(module), cls)
     except (ImportError, AttributeError) as error:
-        raise ValueError(f"rollout.backend={name!r}: cannot import {cls} from {module} ({error})") from None
+        raise ValueError(f"{key}={name!r}: cannot import {cls} from {module} ({error})") from None
 
 
-def check_lagged(backend: type, rollout: RolloutConfig) -> None:
-    """rollout.async_mode=lagged reaches a backend through its `sync` only: refused for one that does not declare
-    `samples_synced_weights`."""
-    if rollout.max_staleness and rollout.async_mode == "lagged" and not getattr(backend, "samples_synced_weights",
-                                                                                False):
-        raise ValueError(
-            f"rollout.max_staleness={rollout.max_staleness} with rollout.backend={rollout.backend!r}: "
-            f"async_mode=lagged hands the lagged weights to the backend through its sync(), and "
-            f"{backend.__name__} does not declare samples_synced_weights = True (that it samples the weights of its "
-            "last sync, not the trainer's model as it is when it generates), so its rows could be the current "
-            "weights' while counted as stale; declare it where sync() copies the weights (docs/how-to/extend.md), "
-            "or use rollout.max_staleness=0")
+def check_capabilities(backend: type, run: RunSettings, multi_turn: bool) -> None:
+    """Refuse what the run asks of `backend` (a class) that it does not declare it can do; `multi_turn`: the task
+    has tools or an environment. ValueError naming the key, the value and the rule."""
+    rollout = run.rollout
+    named = f"rollout.backend={rollout.backend}"
+    wants = [
+        (multi_turn, "continues_from_token_ids", "task.tools / task.environment",
+         "a multi-turn rollout continues each row from its token ids after a tool result"),
+        (rollout.max_staleness > 0, "samples_synced_weights", f"rollout.max_staleness={rollout.max_staleness}",
+         "a stale rollout hands the lagged weights to the backend through its sync(), so it must sample the weights "
+         "of its last sync, not the trainer's model as it is when it generates (else its rows would be the current "
+         "weights' while counted as stale)"),
+        (rollout.async_mode == "overlap", "runs_apart", "rollout.async_mode=overlap",
+         "overlap generates in a process of its own while the trainer trains"),
+        (run.routing.replay == "r3", "returns_experts", "routing.replay=r3",
+         "r3 replays the experts the engine chose for each token, so the backend must return them"),
+        (rollout.rescore is not None, "returns_logprobs", f"rollout.rescore={rollout.rescore}",
+         "rescoring replaces the generating engine's log-probs"),
+    ]
+    for asked, capability, setting, rule in wants:
+        if asked and not getattr(backend, capability, False):
+            raise ValueError(f"{setting} with {named}: {rule}, and {backend.__name__} does not declare "
+                             f"{capability} = True (docs/concepts/rollout-engine.md, the table of what runs; "
+                             "docs/how-to/extend.md)")
+    if rollout.rescore is not None:
+        named = rollout.rescore in BACKENDS or ":" in rollout.rescore
+        scorer = backend_class(rollout.rescore, "rollout.rescore") if named else None
+        if scorer is None or not issubclass(scorer, Scorer):
+            raise ValueError(f"rollout.rescore={rollout.rescore!r} is invalid: must be null or a backend that scores "
+                             f"tokens it did not sample (a Scorer: one of {scorers()})")
+        scorer.check_scoring(rollout)
+
+
+def scorers() -> list[str]:
+    """The rollout.backend names whose class is a `Scorer` (each module imported, none of them imports its engine)."""
+    return [name for name in BACKENDS if issubclass(backend_class(name), Scorer)]
 
 
 def build_backend(model: torch.nn.Module, rollout: RolloutConfig) -> RolloutBackend:

@@ -77,8 +77,12 @@ class RolloutEngine:
     differences it has from the trainer's `model` (rollout.engine)."""
 
     name: ClassVar[str] = "hf"
-    serves_evaluation: ClassVar[bool] = False  # evaluation runs on the trainer's model, never on an engine copy
+    continues_from_token_ids: ClassVar[bool] = True
     samples_synced_weights: ClassVar[bool] = True  # a copy of its own under rollout.max_staleness > 0
+    returns_logprobs: ClassVar[bool] = True
+    returns_experts: ClassVar[bool] = True  # the routing trace of its generation (and of its copy's router noise)
+    serves_evaluation: ClassVar[bool] = False  # evaluation runs on the trainer's model, never on an engine copy
+    runs_apart: ClassVar[bool] = False
 
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.trainer_model, self.config = model, rollout.engine
@@ -97,6 +101,15 @@ class RolloutEngine:
         if run.sharded and run.rollout.engine.copies_weights:
             raise ValueError("rollout.engine.precision / weight_bits: an engine copy of the weights is not supported "
                              "with trainer=fsdp (sharded weights); use trainer=ddp or the default engine")
+
+    @classmethod
+    def exact_logprobs(cls, rollout: RolloutConfig) -> bool:
+        """Exact where the engine is the trainer's model itself (rollout.engine at its defaults)."""
+        return rollout.engine.is_trainer
+
+    @classmethod
+    def check_scoring(cls, rollout: RolloutConfig) -> None:
+        """It scores at any temperature."""
 
     @property
     def model(self) -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""rollout.async_mode=overlap: a vLLM engine in a process of its own (gspo_lab.rollout.vllm_process) generates the
+"""rollout.async_mode=overlap: a vLLM engine in a process of its own (gspo_lab.rollout.vllm.process) generates the
 next steps' rollouts while the trainer trains, at most rollout.max_staleness = k weight versions old.
 
 At the start of RL step t the trainer holds weight version t. `OverlapRollouts.generated(t)`:
@@ -43,7 +43,7 @@ from gspo_lab.config import RolloutConfig
 from gspo_lab.rollout import PromptSchedule
 from gspo_lab.rollout.backend import Sampling
 from gspo_lab.rollout.completions import Generated, stop_ids
-from gspo_lab.rollout.vllm_process import EngineProcess, Request, Result
+from gspo_lab.rollout.vllm.process import EngineProcess, Request, Result
 from gspo_lab.seeding import stream_seed
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,6 @@ class OverlapRollouts:
                 "off_policy/overlap_frac": frac}
 
     def completions(self, request: Request, result: Result) -> Generated:
-        from gspo_lab.rollout.vllm_engine import assemble
+        from gspo_lab.rollout.vllm.engine import assemble
 
         return Generated(assemble(self.tokenizer, request.prompt_ids, result.tokens, result.logprobs, request.stop))

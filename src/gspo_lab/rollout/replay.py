@@ -34,8 +34,12 @@ class ReplayBackend:
     """Replays the completions recorded in rollout.options.path (`load_recorded`)."""
 
     name: ClassVar[str] = "replay"
+    continues_from_token_ids: ClassVar[bool] = False  # a recorded completion cannot answer a tool result
+    samples_synced_weights: ClassVar[bool] = False  # it samples no weights at all: no weight version
+    returns_logprobs: ClassVar[bool] = False  # its log-probs are the trainer's, recomputed: no engine's to replace
+    returns_experts: ClassVar[bool] = False  # recorded completions come with no experts
     serves_evaluation: ClassVar[bool] = False  # evaluation samples from the policy itself
-    samples_synced_weights: ClassVar[bool] = False  # it samples no weights at all
+    runs_apart: ClassVar[bool] = False
 
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.model = model
@@ -43,15 +47,17 @@ class ReplayBackend:
 
     @classmethod
     def check(cls, run: RunSettings) -> None:
-        """The file must exist and parse; r3 has no engine experts to replay."""
+        """The file must exist and parse."""
         unknown = sorted(set(run.rollout.options) - set(SETTINGS))
         if unknown:
             raise ValueError(f"rollout.options.{unknown[0]} is not a setting of rollout.backend=replay (one of "
                              f"{list(SETTINGS)})")
         load_recorded(recording(run.rollout.options))
-        if run.routing.replay == "r3":
-            raise ValueError("routing.replay=r3 with rollout.backend=replay: r3 replays the experts the engine chose, "
-                             "and recorded completions come with none; use routing.replay=r2 or off")
+
+    @classmethod
+    def exact_logprobs(cls, rollout: RolloutConfig) -> bool:
+        """No engine's: the trainer computes them."""
+        return False
 
     @property
     def dtype(self) -> str:

@@ -7,7 +7,7 @@ on the simulated bf16 engine's π_old, and the converse.
     rollout.rescore=vllm  vLLM's prompt log-probs of prompt + completion (rollout.vllm.*; temperature 1 only: vLLM
                           scores a prompt's tokens on its raw logits, skipping the sampler's temperature)
 
-A backend scores through `score(tokenizer, completions, temperature)`: the log-probs [N, C] of the completion tokens
+A backend scores as a `Scorer` (gspo_lab.rollout.backend): `score(tokenizer, completions, temperature)`: the log-probs [N, C] of the completion tokens
 (0 on padding) under its current weights, in one forward (a prefill), where generation computed them one token at
 a time with a KV cache. Where rollout.rescore names the generating backend itself, that same engine scores its
 own samples: the gap between its prefill and its decode log-probs. Logged: rescore/logp_abs_diff (mean |rescored -
@@ -58,14 +58,6 @@ class Rescorer:
             metrics["rescore/logp_abs_diff"] = (diff.abs().sum() / mask.sum().clamp(min=1)).item()
             metrics["rescore/seq_log_ratio_abs"] = (diff.sum(-1) / tokens).abs().mean().item()
         return replace(generated, completions=replace(completions, logprobs=scores)), metrics
-
-
-def check_rescore(rollout: RolloutConfig) -> None:
-    """What rollout.rescore cannot do: vLLM's prompt log-probs skip the sampling temperature."""
-    if rollout.rescore == "vllm" and rollout.temperature != 1:
-        raise ValueError(f"rollout.rescore=vllm with rollout.temperature={rollout.temperature}: vLLM scores a "
-                         "prompt's tokens on its raw logits, without the sampling temperature; use temperature 1 or "
-                         "rollout.rescore=hf")
 
 
 def build_rescorer(model: torch.nn.Module, rollout: RolloutConfig, backend: RolloutBackend) -> Rescorer | None:

@@ -9,7 +9,7 @@ The trainer process starts it (`EngineProcess.start`) and stops it with itself (
   and when its generation started and ended (time.monotonic, which both processes share on Linux).
 - **weights**, a gloo process group of two made for the purpose (rank 0 the trainer, rank 1 the engine; a TCPStore
   of its own, apart from any group the trainer's strategy or vLLM holds). A version is one broadcast of every
-  checkpoint tensor's bytes (gspo_lab.rollout.vllm_setup.checkpoint_tensors order, MoE banks split as vLLM's
+  checkpoint tensor's bytes (gspo_lab.rollout.vllm.setup.checkpoint_tensors order, MoE banks split as vLLM's
   loaders take them), which the engine loads through vLLM's in-place reload as the colocated engine does. No
   state dict is pickled. The trainer's broadcast is asynchronous: it copies the weights into a host buffer,
   issues the broadcast and trains on; the engine receives it between two rollouts, never within one.
@@ -80,7 +80,7 @@ class Layout:
 class EngineSpec:
     """What the engine process needs to build its engine and join the weight group."""
 
-    folder: str  # the model's config (gspo_lab.rollout.vllm_engine.saved_config)
+    folder: str  # the model's config (gspo_lab.rollout.vllm.engine.saved_config)
     dtype: str
     vllm: object  # rollout.vllm (a VLLMConfig)
     cores: tuple[int, ...]
@@ -135,7 +135,7 @@ class EngineProcess:
 
     def start(self) -> None:
         """Start the engine process on its cores and join it in the weight group; returns once vLLM is built."""
-        from gspo_lab.rollout.vllm_engine import checkpoint_weights, saved_config
+        from gspo_lab.rollout.vllm.engine import checkpoint_weights, saved_config
 
         self.folder = saved_config(self.model)
         dtype = self.rollout.vllm.dtype or str(next(self.model.parameters()).dtype).removeprefix("torch.")
@@ -154,7 +154,7 @@ class EngineProcess:
     def push(self, version: int) -> None:
         """Send the model's current weights as `version`: copied into a host buffer now, broadcast in the
         background; the engine takes them before its next rollout."""
-        from gspo_lab.rollout.vllm_engine import checkpoint_weights
+        from gspo_lab.rollout.vllm.engine import checkpoint_weights
 
         self.sending = [(work, buffer) for work, buffer in self.sending if not work.is_completed()]
         with torch.no_grad():
@@ -235,8 +235,8 @@ def build(spec: EngineSpec):
     os.sched_setaffinity(0, spec.cores)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.cores))
     torch.set_num_threads(len(spec.cores))
-    from gspo_lab.rollout.vllm_engine import engine_arguments, quiet_reloads
-    from gspo_lab.rollout.vllm_setup import environment
+    from gspo_lab.rollout.vllm.engine import engine_arguments, quiet_reloads
+    from gspo_lab.rollout.vllm.setup import environment
 
     environment()
     from vllm import LLM
@@ -296,7 +296,7 @@ class Engine:
 
     def load(self, version: int) -> None:
         """Receive version `version`'s bytes and reload vLLM's weights in place from them."""
-        from gspo_lab.rollout.vllm_engine import _reload
+        from gspo_lab.rollout.vllm.engine import _reload
 
         self.group.broadcast(self.buffer, 0).wait()
         self.llm.collective_rpc(_reload, args=(iter(self.spec.layout.unpack(self.buffer)),))
@@ -305,7 +305,7 @@ class Engine:
         self.version = version
 
     def generate(self, request: Request) -> None:
-        from gspo_lab.rollout.vllm_engine import sampled_lists, sampling_params
+        from gspo_lab.rollout.vllm.engine import sampled_lists, sampling_params
 
         started = time.monotonic()
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in request.prompt_ids],

@@ -38,7 +38,7 @@ from gspo_lab.config import RolloutConfig
 from gspo_lab.rollout.backend import RunSettings, Sampling
 from gspo_lab.rollout.completions import Completions, Generated, cut_at_stop, stop_ids
 from gspo_lab.rollout.sampling import draw_row_seeds
-from gspo_lab.rollout.vllm_setup import INSTALL, available, check, check_run, checkpoint_tensors, environment
+from gspo_lab.rollout.vllm.setup import INSTALL, available, check, check_run, checkpoint_tensors, environment
 
 
 class NarrowingLoadFilter(logging.Filter):
@@ -146,8 +146,12 @@ class VLLMEngine:
     current weights; evaluation generates through it too (eval.engine=rollout)."""
 
     name: ClassVar[str] = "vllm"
-    serves_evaluation: ClassVar[bool] = True
+    continues_from_token_ids: ClassVar[bool] = True
     samples_synced_weights: ClassVar[bool] = True  # the engine holds the weights of its last sync
+    returns_logprobs: ClassVar[bool] = True
+    returns_experts: ClassVar[bool] = False  # vLLM returns experts only through its GPU model runner
+    serves_evaluation: ClassVar[bool] = True
+    runs_apart: ClassVar[bool] = True  # gspo_lab.rollout.vllm.process (rollout.async_mode=overlap)
 
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         if not available():
@@ -159,12 +163,25 @@ class VLLMEngine:
 
     @classmethod
     def check(cls, run: RunSettings) -> None:
-        """What vLLM cannot run here (`vllm_setup.check`) and what the run's other settings ask of it
-        (`vllm_setup.check_run`)."""
+        """What vLLM cannot run here (`setup.check`) and what the run's other settings ask of it
+        (`setup.check_run`)."""
         source = run.model_source
         check(run.rollout, source.skeleton(), run.routing.replay, run.device, run.sharded, source.lora.enabled,
               run.nodes)
         check_run(run.rollout, run.evaluation, run.train, source)
+
+    @classmethod
+    def exact_logprobs(cls, rollout: RolloutConfig) -> bool:
+        """Another implementation's: π_old comes from a trainer forward unless rollout.logprobs_from_generation."""
+        return False
+
+    @classmethod
+    def check_scoring(cls, rollout: RolloutConfig) -> None:
+        """vLLM's prompt log-probs skip the sampler, and so its temperature."""
+        if rollout.temperature != 1:
+            raise ValueError(f"rollout.rescore=vllm with rollout.temperature={rollout.temperature}: vLLM scores a "
+                             "prompt's tokens on its raw logits, without the sampling temperature; use temperature 1 or "
+                             "rollout.rescore=hf")
 
     @property
     def model(self) -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""What rollout.backend=vllm needs settled before its engine starts (gspo_lab.rollout.vllm_engine): vLLM installed
+"""What rollout.backend=vllm needs settled before its engine starts (gspo_lab.rollout.vllm.engine): vLLM installed
 and its environment, the refusals of what it cannot run here or would change without a word, and the tensors a
 weight sync sends (a checkpoint's: parameters and persistent buffers)."""
 
@@ -49,10 +49,6 @@ def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: s
         raise ValueError("rollout.engine.* simulates an inference engine on the hf backend; with rollout.backend=vllm "
                          "the engine is real: set its precision with rollout.vllm.dtype and leave rollout.engine at "
                          "its defaults (or score with the simulated one: rollout.rescore=hf)")
-    if replay == "r3":
-        raise ValueError("routing.replay=r3 with rollout.backend=vllm: r3 replays the experts the engine chose, which "
-                         "vLLM returns only through Model Runner V2 on a GPU (enable_return_routed_experts), not wired "
-                         "here; use routing.replay=r2 (the old policy's experts) or rollout.backend=hf")
     if rollout.top_p < 1:
         raise ValueError(f"rollout.top_p={rollout.top_p} with rollout.backend=vllm: vLLM's log-probs of a top-p "
                          "sample are of the renormalised nucleus, not the log softmax(logits / T) the trainer computes; "
