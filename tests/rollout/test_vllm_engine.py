@@ -20,8 +20,9 @@ from gspo_lab.eval_sets import evaluation_backend
 from gspo_lab.rollout import token_logprobs
 from gspo_lab.rollout.sampling import draw_row_seeds
 from gspo_lab.rollout.backend import Sampling
-from gspo_lab.rollout.vllm.engine import NarrowingLoadFilter, VLLMEngine, _reload, checkpoint_weights
-from gspo_lab.rollout.vllm.setup import BUFFERS_SYNCED, persistent_buffer_names
+from gspo_lab.rollout.vllm.engine import NarrowingLoadFilter, VLLMEngine, _reload
+from gspo_lab.rollout.vllm.setup import BUFFERS_SYNCED
+from gspo_lab.rollout.vllm.weights import checkpoint_weights, persistent_buffer_names
 from gspo_lab.train import ConfigError, build, plan
 
 pytest.importorskip("vllm")
@@ -36,6 +37,8 @@ TINY = {"tiny_dense": ["model.config.num_hidden_layers=1", "model.config.hidden_
                        "model.config.intermediate_size=128"],
         "tiny_moe": ["model.config.num_hidden_layers=1", "model.config.hidden_size=64",
                      "model.config.moe_intermediate_size=32"]}
+# LoRA on the attention projections, the router's gate and the expert banks: each wrapped weight is synced merged
+LORA = ["model.lora.enabled=true", "model.lora.experts=true", "model.lora.rank=4", "optimizer.lr=0.01"]
 # the families of the architectures whose persistent buffers a sync is shown to reach (gspo_lab.rollout.vllm.setup.BUFFERS_SYNCED)
 BUFFERS_SYNCED_FAMILIES = {"tiny_glm4_moe": "Glm4MoeForCausalLM", "tiny_exaone_moe": "ExaoneMoeForCausalLM"}
 
@@ -58,12 +61,14 @@ def engine_gap(module, seeds: torch.Tensor) -> float:
     return ((completions.logprobs - trainer) * completions.completion_mask).abs().max().item()
 
 
-@pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe"])
-def test_the_engine_samples_with_the_trainers_weights_after_every_sync(model, compose, rl_overrides):
+@pytest.mark.parametrize("model, lora", [("tiny_dense", []), ("tiny_moe", []), ("tiny_moe", LORA)],
+                         ids=["dense", "moe", "moe_lora"])
+def test_the_engine_samples_with_the_trainers_weights_after_every_sync(model, lora, compose, rl_overrides):
     """At step 0 and after 3 optimizer updates the engine's log-probs of its own samples are the trainer's to
     float32 rounding; between the updates and the next sync they are not (the check sees a stale engine). On CPU
-    vLLM packs every Linear (and a MoE's expert banks) for its kernels at load: a sync that misses them fails."""
-    tiny = [o for o in rl_overrides if not o.startswith("model.")] + [f"model={model}", *TINY[model]]
+    vLLM packs every Linear (and a MoE's expert banks) for its kernels at load: a sync that misses them fails. With
+    LoRA only the adapters train, and the engine gets each wrapped weight merged, W + scale·BA."""
+    tiny = [o for o in rl_overrides if not o.startswith("model.")] + [f"model={model}", *TINY[model], *lora]
     run, module, _ = build(compose(tiny + VLLM + ["train.steps=1", "train.minibatches=3", "rollout.prompts_per_step=3",
                                                   "train.eval_every=0"]))
     seeds = draw_row_seeds(len(PROMPTS))
@@ -117,7 +122,6 @@ def test_the_samples_follow_their_seeds_whatever_the_batching_and_the_engine(com
     (["model.config.head_dim=16"], r"the model's head size is 16, and vLLM's CPU attention kernels take multiples "
                                    r"of 32"),
     (["model=tiny_moe", "+model.config.architectures=[NotAModelForCausalLM]"], r"vLLM does not serve"),
-    (["model.lora.enabled=true"], r"rollout.backend=vllm with model.lora.enabled=true is not supported yet"),
 ])
 def test_what_vllm_cannot_run_here_is_refused_before_anything_trains(overrides, message, compose, tmp_path):
     with pytest.raises(ConfigError, match=message):
@@ -163,15 +167,21 @@ def test_evaluation_generates_through_the_engine_greedy_as_transformers_does(com
     assert abs(engine["eval/accuracy"] - hf["eval/accuracy"]) <= (24 - same) / 24
 
 
-def test_every_rl_step_samples_with_that_steps_weights(compose, rl_overrides):
+@pytest.mark.parametrize("lora", [[], LORA], ids=["full", "lora"])
+def test_every_rl_step_samples_with_that_steps_weights(lora, compose, rl_overrides):
     """A run: each rollout's engine log-probs are the trainer's to float32 rounding (mismatch/*), so each step's
     sync reached the engine after the previous step's updates (a fused AdamW step leaves no trace in the
-    parameters' version counters; the sync cannot rely on them)."""
-    run, module, _ = build(compose(rl_overrides + VLLM + ["train.steps=3", "train.eval_every=3"]))
+    parameters' version counters; the sync cannot rely on them). With LoRA (merged sync) the adapters move, and
+    the engine follows them: mismatch/kl < 1e-8 at every step."""
+    run, module, _ = build(compose(rl_overrides + VLLM + lora + ["train.steps=3", "train.eval_every=3"]))
     run.trainer.fit(module)
     rows = [row for row in module.history if "mismatch/kl" in row]
     assert len(rows) == 3 and all(row["mismatch/seq_log_ratio_abs"] <= ROUNDING for row in rows)
+    assert all(row["mismatch/kl"] < 1e-8 for row in rows)
     assert module.engine.llm is None  # the module's teardown closed it
+    if lora:
+        adapters = [p for name, p in module.model.named_parameters() if "lora_B" in name]
+        assert adapters and all(p.abs().max() > 0 for p in adapters)  # B starts at 0: the merged delta grew
 
 
 def test_a_lagged_run_samples_each_step_with_the_weights_k_steps_back(compose, rl_overrides, updated_batches):

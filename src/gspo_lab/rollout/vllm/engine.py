@@ -38,7 +38,8 @@ from gspo_lab.config import RolloutConfig
 from gspo_lab.rollout.backend import RunSettings, Sampling
 from gspo_lab.rollout.completions import Completions, Generated, cut_at_stop, stop_ids
 from gspo_lab.rollout.sampling import draw_row_seeds
-from gspo_lab.rollout.vllm.setup import INSTALL, available, check, check_run, checkpoint_tensors, environment
+from gspo_lab.rollout.vllm.setup import INSTALL, available, check, check_run, environment
+from gspo_lab.rollout.vllm.weights import checkpoint_weights
 
 
 class NarrowingLoadFilter(logging.Filter):
@@ -57,16 +58,6 @@ def quiet_reloads() -> None:
     loads = logging.getLogger("vllm.model_executor.models.utils")
     if not any(isinstance(f, NarrowingLoadFilter) for f in loads.filters):
         loads.addFilter(NarrowingLoadFilter())
-
-
-def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """The model's parameters and persistent buffers as its checkpoint names them, one at a time (transformers'
-    conversions reverted per tensor: a fused expert bank [E, 2I, H] becomes E gate and E up projections), for
-    vLLM's loaders."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    for name, tensor in checkpoint_tensors(model):
-        yield from revert_weight_conversion(model, {name: tensor.detach()}).items()
 
 
 def repack_cpu_experts(model: torch.nn.Module) -> int:

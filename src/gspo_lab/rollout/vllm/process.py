@@ -9,7 +9,7 @@ The trainer process starts it (`EngineProcess.start`) and stops it with itself (
   and when its generation started and ended (time.monotonic, which both processes share on Linux).
 - **weights**, a gloo process group of two made for the purpose (rank 0 the trainer, rank 1 the engine; a TCPStore
   of its own, apart from any group the trainer's strategy or vLLM holds). A version is one broadcast of every
-  checkpoint tensor's bytes (gspo_lab.rollout.vllm.setup.checkpoint_tensors order, MoE banks split as vLLM's
+  checkpoint tensor's bytes (gspo_lab.rollout.vllm.weights.checkpoint_weights order, MoE banks split as vLLM's
   loaders take them), which the engine loads through vLLM's in-place reload as the colocated engine does. No
   state dict is pickled. The trainer's broadcast is asynchronous: it copies the weights into a host buffer,
   issues the broadcast and trains on; the engine receives it between two rollouts, never within one.
@@ -135,7 +135,8 @@ class EngineProcess:
 
     def start(self) -> None:
         """Start the engine process on its cores and join it in the weight group; returns once vLLM is built."""
-        from gspo_lab.rollout.vllm.engine import checkpoint_weights, saved_config
+        from gspo_lab.rollout.vllm.engine import saved_config
+        from gspo_lab.rollout.vllm.weights import checkpoint_weights
 
         self.folder = saved_config(self.model)
         dtype = self.rollout.vllm.dtype or str(next(self.model.parameters()).dtype).removeprefix("torch.")
@@ -154,7 +155,7 @@ class EngineProcess:
     def push(self, version: int) -> None:
         """Send the model's current weights as `version`: copied into a host buffer now, broadcast in the
         background; the engine takes them before its next rollout."""
-        from gspo_lab.rollout.vllm.engine import checkpoint_weights
+        from gspo_lab.rollout.vllm.weights import checkpoint_weights
 
         self.sending = [(work, buffer) for work, buffer in self.sending if not work.is_completed()]
         with torch.no_grad():

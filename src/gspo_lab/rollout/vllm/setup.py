@@ -1,18 +1,17 @@
 """What rollout.backend=vllm needs settled before its engine starts (gspo_lab.rollout.vllm.engine): vLLM installed
-and its environment, the refusals of what it cannot run here or would change without a word, and the tensors a
-weight sync sends (a checkpoint's: parameters and persistent buffers)."""
+and its environment, and the refusals of what it cannot run here or would change without a word. What a weight sync
+sends is gspo_lab.rollout.vllm.weights."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
 import os
-from collections.abc import Iterator
 
 import torch
-from torch import Tensor
 
 from gspo_lab.config import RolloutConfig
+from gspo_lab.rollout.vllm.weights import persistent_buffer_names
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +56,8 @@ def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: s
     if device == "cpu" and nodes > 1:
         raise ValueError(f"trainer.num_nodes={nodes} with rollout.backend=vllm on CPU: each rank's engine needs its "
                          "local rank, which only a GPU's index gives here; use one node or rollout.backend=hf")
-    if sharded or lora:
-        what = "trainer=fsdp" if sharded else "model.lora.enabled=true"
-        raise ValueError(f"rollout.backend=vllm with {what} is not supported yet (full weights on each rank); use "
+    if sharded:
+        raise ValueError("rollout.backend=vllm with trainer=fsdp is not supported yet (full weights on each rank); use "
                          "rollout.backend=hf or trainer=ddp")
     environment()
     from vllm import ModelRegistry
@@ -110,21 +108,3 @@ def warn_head_precision(rollout: RolloutConfig, lm_head_fp32: bool, model_dtype:
                 "rollout.logprobs_from_generation=true) come from a %s head. Set rollout.vllm.dtype=float32 for a "
                 "float32 engine throughout.", dtype, dtype)
     return True
-
-
-def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """What a checkpoint of the model holds, by name: its parameters, then its persistent buffers (a router's
-    selection bias, `e_score_correction_bias` of DeepSeek-V3, GLM-4.5, MiniMax-M2, dots1, EXAONE-MoE and
-    Solar-Open, which transformers keeps as a buffer and vLLM as a parameter). Non-persistent buffers (rotary
-    frequencies) are computed from the config on both sides."""
-    yield from model.named_parameters()
-    for prefix, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                yield f"{prefix}.{name}" if prefix else name, buffer
-
-
-def persistent_buffer_names(model: torch.nn.Module) -> list[str]:
-    """The names of the model's persistent buffers (`checkpoint_tensors` without the parameters)."""
-    parameters = {name for name, _ in model.named_parameters()}
-    return [name for name, _ in checkpoint_tensors(model) if name not in parameters]

@@ -1,0 +1,98 @@
+"""What a weight sync sends to vLLM's engine: the policy's tensors as its checkpoint names them, one at a time.
+
+    checkpoint_weights(model)   -> (name, tensor), ...   what vLLM's loaders take (a MoE bank split per expert)
+
+The trainer's model may hold its weights in three ways, and the engine gets full, plain weights from each:
+- as they are (one process, or DDP: every rank a whole copy);
+- sharded by FSDP2 (trainer=fsdp): each parameter a DTensor of which a rank holds a slice. `full` gathers one
+  parameter at a time (an all-gather every rank joins in the same order, as every rank's engine takes the same
+  weights), hands it on and lets it go, so no rank holds more than one gathered tensor beside its shards (verl's
+  `update_weights` takes such a generator; TRL gathers the same way);
+- with LoRA adapters (model.lora; PEFT injects them into the model): a wrapped weight is sent merged, W + scale·BA,
+  computed for that tensor alone and never written back (`lora_layers`); the adapters themselves are not sent.
+  TRL merges the adapters into the model, syncs and unmerges; computing each merged tensor apart leaves the
+  trainer's weights untouched, rounding included.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+WRAPPED = re.compile(r"(^|\.)base_layer(?=\.)")  # PEFT's wrapper of a weight: "q_proj.base_layer.weight"
+ADAPTER = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")  # an adapter's own tensors
+
+
+def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """What a checkpoint of the model holds, by name: its parameters, then its persistent buffers (a router's
+    selection bias, `e_score_correction_bias` of DeepSeek-V3, GLM-4.5, MiniMax-M2, dots1, EXAONE-MoE and
+    Solar-Open, which transformers keeps as a buffer and vLLM as a parameter). Non-persistent buffers (rotary
+    frequencies) are computed from the config on both sides. Names as the model's own, PEFT's wrappers included."""
+    yield from model.named_parameters()
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield f"{prefix}.{name}" if prefix else name, buffer
+
+
+def policy_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The policy's weights as a checkpoint of the base model names them, full and detached, one at a time: each
+    gathered from its shards (`full`), a LoRA-wrapped one merged with its adapters (`lora_layers`), the adapters
+    left out."""
+    layers = lora_layers(model)
+    for name, tensor in checkpoint_tensors(model):
+        if ADAPTER.search(name):
+            continue
+        name = WRAPPED.sub("", name)
+        value = full(tensor.detach())
+        for layer in layers.get(name, ()):
+            value = value + full(lora_delta(layer)).to(value.dtype)
+        yield name, value
+
+
+def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """`policy_tensors` with transformers' conversions reverted per tensor (a fused expert bank [E, 2I, H] becomes
+    E gate and E up projections), for vLLM's loaders."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, tensor in policy_tensors(model):
+        yield from revert_weight_conversion(model, {name: tensor}).items()
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, list]:
+    """The LoRA layers PEFT injected, by the name of the base tensor each adds to ("...q_proj.weight"; a router
+    gate's or an expert bank's parameter LoRA, `ParamWrapper`, names the parameter it wraps). Empty without PEFT."""
+    try:
+        from peft.tuners.lora import LoraLayer, ParamWrapper
+    except ImportError:
+        return {}
+    layers: dict[str, list] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            parameter = module.parameter_name if isinstance(module, ParamWrapper) else "weight"
+            layers.setdefault(WRAPPED.sub("", f"{prefix}.{parameter}"), []).append(module)
+    return layers
+
+
+def lora_delta(layer) -> Tensor:
+    """scale·BA of a LoRA layer's active adapters, in the shape of the weight it adds to (PEFT's own
+    `get_delta_weight`, which knows each layer's layout: fan-in-fan-out, an expert bank's [E, in, out])."""
+    adapters = [name for name in layer.active_adapters if name in layer.lora_A]
+    deltas = [layer.get_delta_weight(name) for name in adapters]
+    return torch.stack(deltas).sum(0) if len(deltas) > 1 else deltas[0]
+
+
+def full(tensor: Tensor) -> Tensor:
+    """A sharded (DTensor) tensor gathered whole on every rank; a plain one as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def persistent_buffer_names(model: torch.nn.Module) -> list[str]:
+    """The names of the model's persistent buffers (`checkpoint_tensors` without the parameters)."""
+    parameters = {name for name, _ in model.named_parameters()}
+    return [name for name, _ in checkpoint_tensors(model) if name not in parameters]
