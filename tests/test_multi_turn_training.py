@@ -97,5 +97,5 @@ def test_replay_reproduces_the_recorded_experts_over_whole_trajectories(override
 
 def test_the_replay_backend_is_refused_with_tools(compose, tool_rl, tmp_path):
     recorded = f"rollout.options.path={tmp_path / 'x.jsonl'}"
-    with pytest.raises(ConfigError, match="rollout.backend=replay with task.tools"):
+    with pytest.raises(ConfigError, match="task.tools / task.environment with rollout.backend=replay"):
         plan(compose(tool_rl + ["rollout=replay", recorded, f"paths.output_dir={tmp_path / 'run'}"]))

@@ -18,11 +18,16 @@ from omegaconf import OmegaConf
 
 from gspo_lab.eval_sets import evaluation_backend
 from gspo_lab.rollout import token_logprobs
-from gspo_lab.rollout.sampling import draw_row_seeds
 from gspo_lab.rollout.backend import Sampling
-from gspo_lab.rollout.vllm.engine import NarrowingLoadFilter, VLLMEngine, _reload
+from gspo_lab.rollout.sampling import draw_row_seeds
+from gspo_lab.rollout.vllm.engine import NarrowingLoadFilter, VLLMEngine
+from gspo_lab.rollout.vllm.experts import Captured
 from gspo_lab.rollout.vllm.setup import BUFFERS_SYNCED
-from gspo_lab.rollout.vllm.weights import checkpoint_weights, persistent_buffer_names
+from gspo_lab.rollout.vllm.weights import (
+    checkpoint_weights,
+    persistent_buffer_names,
+    reload_in_worker,
+)
 from gspo_lab.train import ConfigError, build, plan
 
 pytest.importorskip("vllm")
@@ -117,7 +122,6 @@ def test_the_samples_follow_their_seeds_whatever_the_batching_and_the_engine(com
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.engine.precision=bf16"], r"rollout.engine.\* simulates an inference engine on the hf backend"),
     (["rollout.engine.router_noise=0.1"], r"rollout.engine.\* simulates"),
-    (["routing.replay=r3"], r"routing.replay=r3 with rollout.backend=vllm: r3 replays the experts the engine chose"),
     (["rollout.top_p=0.9"], r"rollout.top_p=0.9 with rollout.backend=vllm: vLLM's log-probs of a top-p sample"),
     (["model.config.head_dim=16"], r"the model's head size is 16, and vLLM's CPU attention kernels take multiples "
                                    r"of 32"),
@@ -128,25 +132,42 @@ def test_what_vllm_cannot_run_here_is_refused_before_anything_trains(overrides, 
         plan(compose(VLLM + overrides + [f"paths.output_dir={tmp_path}"]))
 
 
-@pytest.mark.slow
-def test_two_ddp_ranks_each_sample_from_an_engine_of_their_own(rl_overrides, tmp_path):
-    """Lightning's DDP on CPU, two gloo processes: each rank starts its own engine inside the trainer's process
-    group (vLLM's external_launcher) and keeps it in sync: the engine-trainer mismatch stays at rounding on every
-    step, and the ranks' parameters stay identical."""
-    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + VLLM
-    run_dir = tmp_path / "ddp"
+def two_ranks(overrides: list[str], strategy: list[str], run_dir) -> list[dict[str, str]]:
+    """A run on two gloo processes (Lightning's DDP or FSDP2 on CPU), each rank with its own engine; its
+    metrics.csv rows."""
     result = subprocess.run(
-        [sys.executable, "-m", "gspo_lab.train", *overrides, "trainer=ddp", "trainer.devices=2", "train.steps=2",
+        [sys.executable, "-m", "gspo_lab.train", *overrides, *strategy, "trainer.devices=2", "train.steps=2",
          "train.eval_every=2", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env={**os.environ, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=900,
+        cwd=run_dir.parent, env={**os.environ, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "GLOBAL_RANK: 1" in result.stdout + result.stderr
     with open(run_dir / "metrics.csv", newline="") as file:
-        rows = list(csv.DictReader(file))
-    steps = [row for row in rows if row.get("mismatch/kl")]
-    assert len(steps) == 2 and all(float(row["mismatch/seq_log_ratio_abs"]) <= ROUNDING for row in steps)
-    assert float(rows[-1]["params/rank_spread"]) == 0
+        return list(csv.DictReader(file))
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_and_two_fsdp_ranks_each_sample_from_an_engine_of_their_own(rl_overrides, tmp_path):
+    """Lightning's DDP and FSDP2 on CPU, two gloo processes each: each rank starts its own engine inside the
+    trainer's process group (vLLM's external_launcher) and keeps it in sync. Under FSDP2 each sync gathers the
+    sharded parameters one at a time (every rank's engine gets the full weights). The engine-trainer mismatch stays
+    at float32 rounding on every step (mismatch/kl < 1e-8), DDP's ranks stay identical, and the FSDP2 run's
+    metrics are the DDP run's to float rounding (the same seed, the same samples, reductions in another order)."""
+    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + VLLM
+    ddp = two_ranks(overrides, ["trainer=ddp"], tmp_path / "ddp")
+    fsdp = two_ranks(overrides, ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.precision=32-true"],
+                     tmp_path / "fsdp")
+    for rows in (ddp, fsdp):
+        steps = [row for row in rows if row.get("mismatch/kl")]
+        assert len(steps) == 2
+        assert all(float(row["mismatch/seq_log_ratio_abs"]) <= ROUNDING and float(row["mismatch/kl"]) < 1e-8
+                   for row in steps)
+    assert float(ddp[-1]["params/rank_spread"]) == 0
+    for row, other in zip(ddp, fsdp):
+        assert row["reward/mean"] == other["reward/mean"] and row["completion/len_mean"] == other["completion/len_mean"]
+        for key in ("grad_norm", "kl/old", "loss/policy", "eval/accuracy"):
+            if row.get(key):
+                assert abs(float(row[key]) - float(other[key])) <= 1e-4 * max(1.0, abs(float(row[key]))), key
 
 
 def test_evaluation_generates_through_the_engine_greedy_as_transformers_does(compose, rl_overrides):
@@ -273,7 +294,7 @@ def test_a_bfloat16_engine_syncs_without_a_warning_per_parameter(compose, tiny, 
         quiet = [r.getMessage() for r in records]
         for found in [f for f in loads.filters if isinstance(f, NarrowingLoadFilter)]:
             loads.removeFilter(found)
-        module.engine.llm.collective_rpc(_reload, args=(checkpoint_weights(module.model),))
+        module.engine.llm.collective_rpc(reload_in_worker, args=(checkpoint_weights(module.model),))
         assert engine_gap(module, torch.tensor([1, 2, 3, 4])) > 100 * ROUNDING  # bfloat16 has 8 bits of mantissa
     finally:
         module.close()
@@ -445,3 +466,95 @@ def test_pi_old_comes_from_the_engine_that_rescores_the_samples(engines, compose
     mask = batch.loss_mask.bool()
     assert (batch.old_logp - trainer)[mask].abs().max() <= ROUNDING
     assert module.history[0]["rescore/logp_abs_diff"] > 100 * ROUNDING
+
+
+# three router families, as vLLM's CPU router computes them: softmax top-k (Qwen3-MoE), sigmoid steered by a
+# correction bias (GLM-4.5, one group), and grouped top-k (GLM-4.5 with 2 groups, 1 kept; a dense first layer, so
+# the engine's MoE layers are renumbered to the trainer's)
+R3_FAMILIES = {
+    "softmax_topk": ["model=tiny_moe", "model.config.num_hidden_layers=2", "model.config.hidden_size=64",
+                     "model.config.moe_intermediate_size=32"],
+    "sigmoid_bias": ["model=tiny_glm4_moe", "model.config.head_dim=32", "model.config.num_hidden_layers=2",
+                     "model.config.n_group=1", "model.config.topk_group=1"],
+    "grouped": ["model=tiny_glm4_moe", "model.config.head_dim=32", "model.config.num_hidden_layers=3",
+                "model.config.first_k_dense_replace=1"],
+}
+
+
+@pytest.mark.parametrize("family", sorted(R3_FAMILIES))
+def test_the_engines_experts_are_the_trainers_and_replaying_them_changes_no_logprob(family, compose, tiny, tmp_path,
+                                                                                    monkeypatch):
+    """routing.replay=r3 on vLLM: on a float32 engine the experts it captured for every prompt and completion token
+    (prompts the prefix cache served, whose experts come from the call that computed them, included) are the
+    trainer's own top-k, in each family; replaying them in a trainer forward leaves every log-prob as it was."""
+    from gspo_lab.routing.hooks import record_routing, replay_routing
+
+    filled = []
+    fill = Captured.fill_prefix
+    monkeypatch.setattr(Captured, "fill_prefix", lambda self, *args: filled.append(args[2]) or fill(self, *args))
+
+    overrides = [o for o in tiny if not o.startswith("model.")] + R3_FAMILIES[family]
+    _, module, _ = build(compose(overrides + VLLM + ["routing.replay=r3", "sft.enabled=false",
+                                                     f"paths.output_dir={tmp_path}"]))
+    try:
+        with torch.no_grad():  # a selection bias of the logits' size: the sigmoid families route by it
+            for name in persistent_buffer_names(module.model):
+                module.model.get_buffer(name).normal_(0, 1)
+        module.engine.sync()
+        sampling = rollout_sampling(module)
+        long = [p[:-1] + "+1" * 80 + "=" for p in PROMPTS]  # over a block of the CPU cache (128 tokens): cached
+        module.engine.generate(module.tokenizer, long, sampling, torch.arange(4), routing=module.routing)
+        prompts = [p for p in long for _ in range(2)]  # each prompt again, twice: from the prefix cache
+        generated = module.engine.generate(module.tokenizer, prompts, sampling, torch.arange(4, 12),
+                                           routing=module.routing)
+    finally:
+        module.close()
+    completions, engine = generated.completions, generated.routing_trace
+    input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)
+    mask = torch.cat([completions.prompt_mask, completions.completion_mask], 1)
+    with torch.no_grad(), record_routing(module.model, completions.prompt_ids.shape[1]) as own:
+        free, _ = token_logprobs(module.model, input_ids, mask, completions.completion_ids.shape[1], 1.0)
+    with torch.no_grad(), replay_routing(module.model, engine, mask):
+        replayed, _ = token_logprobs(module.model, input_ids, mask, completions.completion_ids.shape[1], 1.0)
+    last = mask.cumsum(1) == mask.sum(1, keepdim=True)  # each row's last token: never fed back to the engine
+    expected = mask.bool() & ~last
+    assert torch.equal(engine.recorded, expected)
+    assert engine.num_layers == own.num_layers == 2  # the grouped family's dense first layer has no router
+    assert len(filled) == len(prompts) and min(filled) > 1  # the cached prompts' experts came from the first call
+    same = engine.indices.sort(-1).values == own.indices.sort(-1).values  # [layers, B, L, k]
+    assert same.all(-1).all(0)[expected].all()
+    torch.testing.assert_close(replayed, free, rtol=0, atol=ROUNDING)
+
+
+def test_an_r3_run_replays_the_engines_experts_over_whole_trajectories(compose, tool_rl, tmp_path):
+    """GRPO-R3 on vLLM with tools (a float32 engine): every training forward replays the experts the engine chose
+    for the prompt, each turn and each tool result (a later turn's prompt served from the prefix cache takes the
+    experts of the turn that computed it); on the first mini-batch, weights as at generation, replay overrides no
+    choice of the trainer's, and every token ratio is 1."""
+    run, module, _ = build(compose(tool_rl + VLLM + ["algorithm=grpo_r3", f"paths.output_dir={tmp_path / 'run'}",
+                                                     "train.minibatches=1", "train.steps=1"]))
+    run.trainer.fit(module)
+    first = module.history[0]
+    assert first["turns/mean"] > 1 and first["routing/rollout_disagreement"] == 0
+    assert first["routing/override_frac"] == 0  # logged only where replay ran
+    assert abs(first["ratio/token/max"] - 1) <= 1e-5 and abs(first["ratio/token/min"] - 1) <= 1e-5
+
+
+def test_on_a_bf16_engine_r3_takes_the_routing_out_of_the_mismatch(compose, rl_overrides):
+    """A bfloat16 engine routes some tokens to other experts than the float32 trainer (routing/rollout_disagreement
+    > 0). mismatch/kl measures the trainer's own routing (no replay) against the engine: the same under r2 and r3.
+    What the step trains on differs: under r2 π_old comes from a forward that routes on its own, and its mismatch
+    with the engine (mismatch/pi_old_kl) holds those flips; under r3 that forward replays the engine's experts, and
+    what is left is the engine's rounding alone."""
+    rows = {}
+    for algorithm in ("grpo_rr", "grpo_r3"):
+        run, module, _ = build(compose(rl_overrides + VLLM + [
+            f"algorithm={algorithm}", "rollout.vllm.dtype=bfloat16", "train.steps=1", "train.eval_every=0",
+            "rollout.prompts_per_step=8", "rollout.max_new_tokens=24", "routing.diagnostics_rows=32"]))
+        run.trainer.fit(module)
+        rows[algorithm] = module.history[0]
+    r2, r3 = rows["grpo_rr"], rows["grpo_r3"]
+    assert r2["completion/len_mean"] == r3["completion/len_mean"]  # the same rollout
+    assert r2["routing/rollout_disagreement"] == r3["routing/rollout_disagreement"] > 0
+    assert r2["mismatch/kl"] == r3["mismatch/kl"] == pytest.approx(r2["mismatch/pi_old_kl"], rel=0.5)
+    assert r3["mismatch/pi_old_kl"] < r2["mismatch/pi_old_kl"]

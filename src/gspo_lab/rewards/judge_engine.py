@@ -114,7 +114,7 @@ def judge_llm(spec: JudgeSpec):
         cores = sorted(os.sched_getaffinity(0))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         torch.set_num_threads(len(cores))
-    from gspo_lab.rollout.vllm.engine import engine_arguments
+    from gspo_lab.rollout.vllm.calls import engine_arguments
     from gspo_lab.rollout.vllm.setup import environment
 
     environment()

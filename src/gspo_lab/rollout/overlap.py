@@ -197,6 +197,6 @@ class OverlapRollouts:
                 "off_policy/overlap_frac": frac}
 
     def completions(self, request: Request, result: Result) -> Generated:
-        from gspo_lab.rollout.vllm.engine import assemble
+        from gspo_lab.rollout.vllm.calls import assemble
 
         return Generated(assemble(self.tokenizer, request.prompt_ids, result.tokens, result.logprobs, request.stop))

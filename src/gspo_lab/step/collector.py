@@ -32,7 +32,7 @@ from gspo_lab.routing import RoutingReplay
 from gspo_lab.step.failures import failure_reasons, stop_without_signal
 from gspo_lab.step.metrics import add_round
 from gspo_lab.step.policy import PolicyForwards
-from gspo_lab.step.probe import MismatchProbe
+from gspo_lab.step.probe import MismatchProbe, mismatch_metrics
 from gspo_lab.step.ranks import Ranks
 from gspo_lab.tasks.base import Example
 from gspo_lab.tensors import frac_zero_std
@@ -93,6 +93,9 @@ class RolloutCollector:
         started = time.perf_counter()
         if batch.old_logp is None:
             batch.old_logp, batch.routing_trace = self.policy.old_logprobs(batch)
+            if batch.rollout_logp is not None:  # π_old as the step trains on it (under r3: the engine's experts)
+                metrics["mismatch/pi_old_kl"] = mismatch_metrics(batch.old_logp, batch.rollout_logp,
+                                                                 batch.policy_mask)["mismatch/kl"]
         metrics["time/old_logprobs_s"] = time.perf_counter() - started
         if self.kl_penalty or self.kl_to_initial:
             started = time.perf_counter()

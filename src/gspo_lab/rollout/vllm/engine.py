@@ -5,7 +5,8 @@ The engine starts at the first rollout, on the device Lightning put the model on
 from the model's config with dummy weights (`load_format="dummy"`), and the first sync loads the trainer's. A
 sync streams the trainer's parameters and persistent buffers (a router's selection bias) one at a time, named as
 the checkpoint names them (transformers' weight conversions reverted: a MoE's fused expert banks split per
-expert), through vLLM's in-place reload (`reload_weights`: each layer's loaders, then its post-load processing),
+expert; a LoRA-wrapped weight merged; a sharded one gathered: gspo_lab.rollout.vllm.weights), through vLLM's
+in-place reload (`reload_weights`: each layer's loaders, then its post-load processing),
 and resets the prefix cache, whose keys and values the old weights computed. On CPU the post-load processing
 repacks every Linear for its GEMM kernel, but not a MoE's expert banks, which `repack_cpu_experts` repacks.
 
@@ -13,6 +14,8 @@ Each row samples with its own seed (`SamplingParams(seed=...)`), so a row's toke
 vLLM returns log softmax(logits / T) of each sampled token (`logprobs_mode="processed_logprobs"`: what the trainer
 computes, as long as top-p is 1, which the plan checks). Its log-probs are the rollout's (`rollout_logp`:
 mismatch/*, TIS/MIS); the old log-probs come from a trainer forward unless rollout.logprobs_from_generation=true.
+For a MoE model the engine's worker captures the experts of every token it computes (gspo_lab.rollout.vllm.experts),
+which routing.replay=r3 replays in the training forwards.
 
 vLLM changes things in the process that hosts it: it sets torch to one thread and replaces
 `torch.set_num_threads` (its CPU worker), and reseeds the global random generators. `start` puts all of them back.
@@ -20,7 +23,6 @@ vLLM changes things in the process that hosts it: it sets torch to one thread an
 
 from __future__ import annotations
 
-import copy
 import gc
 import logging
 import os
@@ -36,10 +38,28 @@ from torch import Tensor
 
 from gspo_lab.config import RolloutConfig
 from gspo_lab.rollout.backend import RunSettings, Sampling
-from gspo_lab.rollout.completions import Completions, Generated, cut_at_stop, stop_ids
+from gspo_lab.rollout.completions import Completions, Generated, stop_ids
 from gspo_lab.rollout.sampling import draw_row_seeds
-from gspo_lab.rollout.vllm.setup import INSTALL, available, check, check_run, environment
-from gspo_lab.rollout.vllm.weights import checkpoint_weights
+from gspo_lab.rollout.vllm import experts
+from gspo_lab.rollout.vllm.calls import (
+    assemble,
+    engine_arguments,
+    expert_count,
+    sampled_lists,
+    sampling_params,
+    saved_config,
+)
+from gspo_lab.rollout.vllm.experts import Captured
+from gspo_lab.rollout.vllm.setup import (
+    INSTALL,
+    available,
+    check,
+    check_run,
+    environment,
+)
+from gspo_lab.rollout.vllm.weights import checkpoint_weights, reload_in_worker
+from gspo_lab.routing.engine_traces import trace_from_routed_experts
+from gspo_lab.routing.trace import RoutingTrace
 
 
 class NarrowingLoadFilter(logging.Filter):
@@ -58,25 +78,6 @@ def quiet_reloads() -> None:
     loads = logging.getLogger("vllm.model_executor.models.utils")
     if not any(isinstance(f, NarrowingLoadFilter) for f in loads.filters):
         loads.addFilter(NarrowingLoadFilter())
-
-
-def repack_cpu_experts(model: torch.nn.Module) -> int:
-    """Repack the expert banks of vLLM's CPU MoE kernel after an in-place reload, which loads them unpacked and
-    leaves them so; returns how many layers were repacked (0 off CPU)."""
-    repacked = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if type(experts).__name__ == "CPUUnquantizedExperts":
-            experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
-
-
-def _reload(worker, weights: Iterator[tuple[str, Tensor]]) -> int:
-    """In vLLM's worker (this process): reload the weights in place; repack CPU expert banks."""
-    worker.model_runner.reload_weights(weights_iterator=weights)
-    return repack_cpu_experts(worker.model_runner.model)
 
 
 @contextmanager
@@ -140,7 +141,7 @@ class VLLMEngine:
     continues_from_token_ids: ClassVar[bool] = True
     samples_synced_weights: ClassVar[bool] = True  # the engine holds the weights of its last sync
     returns_logprobs: ClassVar[bool] = True
-    returns_experts: ClassVar[bool] = False  # vLLM returns experts only through its GPU model runner
+    returns_experts: ClassVar[bool] = True  # captured in the engine's worker (gspo_lab.rollout.vllm.experts)
     serves_evaluation: ClassVar[bool] = True
     runs_apart: ClassVar[bool] = True  # gspo_lab.rollout.vllm.process (rollout.async_mode=overlap)
 
@@ -149,6 +150,8 @@ class VLLMEngine:
             raise ValueError(INSTALL)
         self.trainer_model, self.config = model, rollout.vllm
         self.llm = None
+        self.moe_layers = 0  # MoE layers whose experts the engine captures (gspo_lab.rollout.vllm.experts)
+        self.captured = Captured()  # the sequences computed since the last sync, with their experts
         self.folder: tempfile.TemporaryDirectory | None = None  # the config vLLM builds the model from
         self.owns_process_group = False  # vLLM initialised torch.distributed (one process) and ends it on close
 
@@ -200,6 +203,7 @@ class VLLMEngine:
             self.llm = LLM(**ranks_own_engine(next(self.trainer_model.parameters()).device),
                            **engine_arguments(self.folder.name, self.dtype, self.device_type, self.config))
         quiet_reloads()  # vLLM has configured its loggers by now
+        self.moe_layers = self.llm.collective_rpc(experts.install)[0]
 
     def close(self) -> None:
         """Stop the engine and tear down vLLM's process groups (another engine in this process, the next job of a
@@ -223,18 +227,22 @@ class VLLMEngine:
         if self.llm is None:
             self.start()
         with autocast_off(self.device_type):
-            self.llm.collective_rpc(_reload, args=(checkpoint_weights(self.trainer_model),))
+            self.llm.collective_rpc(reload_in_worker, args=(checkpoint_weights(self.trainer_model),))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after a weight sync (requests still running?): its "
                                "cached keys and values are the old weights', and the next rollout would reuse them")
+        if self.moe_layers:  # the cache is empty: no sequence's experts can be reused
+            self.captured.reset()
+            self.llm.collective_rpc(experts.install)  # the routers of the reloaded model capture
 
     def generate(self, tokenizer, prompts: list[str] | list[list[int]], sampling: Sampling,
                  row_seeds: Tensor | None = None,
                  routing=None) -> Generated:
         """The backend's contract (gspo_lab.rollout.backend) on vLLM, with the weights of the last `sync`: one
         completion per prompt, row n seeded by `row_seeds[n]` (greedy: none), cut at the stop ids as the hf
-        backend cuts them (`stop_ids`), with the engine's log-probs of the sampled tokens; no routing trace (vLLM
-        returns no experts on CPU). Each group's prompt is prefilled once by the prefix cache, whatever
+        backend cuts them (`stop_ids`), with the engine's log-probs of the sampled tokens and, for a MoE model
+        where `routing` is given, the experts it routed each prompt and completion token to (captured in its worker:
+        gspo_lab.rollout.vllm.experts) as the routing trace. Each group's prompt is prefilled once by the prefix cache, whatever
         `sampling.share_prompts`. `suppress_eos` (benchmarks): every completion runs to max_new_tokens; a stop
         token may be sampled, and does not stop it (hf never samples one), so the distribution and its log-probs
         stay the trainer's."""
@@ -247,7 +255,29 @@ class VLLMEngine:
             outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded],
                                         sampling_params(sampling, seeds, stop), use_tqdm=False)
         tokens, logprobs = sampled_lists(outputs, sampling.logprobs)
-        return Generated(assemble(tokenizer, encoded, tokens, logprobs, stop))
+        completions = assemble(tokenizer, encoded, tokens, logprobs, stop)
+        routed = self.routed_experts(outputs, encoded, tokens)
+        if routing is None or not routing.moe:
+            return Generated(completions)
+        return Generated(completions, self.trace(routed, completions))
+
+    def routed_experts(self, outputs: list, encoded: list[list[int]], tokens: list[list[int]]) -> list[np.ndarray]:
+        """The experts [p + c - 1, M, k] the engine routed each row's prompt and completion tokens to (every token
+        fed to it: the last sampled one never is); [] for a dense model."""
+        if not self.moe_layers:
+            return []
+        taken = self.llm.collective_rpc(experts.take)[0]
+        return self.captured.experts(taken, [(output.request_id, prompt + sampled[:-1])
+                                             for output, prompt, sampled in zip(outputs, encoded, tokens)])
+
+    def trace(self, routed: list[np.ndarray], completions: Completions) -> RoutingTrace:
+        """The rows' experts as a routing trace over the batch's columns (left-padded prompts, then completions)."""
+        prompt_lens = completions.prompt_mask.sum(-1).tolist()
+        kept = completions.completion_mask.sum(-1).tolist()  # a completion cut at a stop token keeps fewer
+        rows = [row[: p + c - 1] for row, p, c in zip(routed, prompt_lens, kept)]
+        prompt_len = completions.prompt_ids.shape[1]
+        return trace_from_routed_experts(rows, prompt_lens, prompt_len, prompt_len + completions.completion_ids.shape[1],
+                                         expert_count(self.trainer_model))
 
     def score(self, tokenizer, completions: Completions, temperature: float) -> Tensor:
         """vLLM's log-probs [N, C] of the completion tokens under the engine's current weights: its prompt log-probs
@@ -266,80 +296,10 @@ class VLLMEngine:
         params = SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         with autocast_off(self.device_type):
             outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows], params, use_tqdm=False)
+        self.routed_experts(outputs, rows, [[output.outputs[0].token_ids[0]] for output in outputs])  # fills the cache
         scores = torch.zeros(completions.completion_ids.shape)  # [N, C]
         for row, (ids, output, length) in enumerate(zip(rows, outputs, completions.completion_mask.sum(-1).tolist())):
             positions = output.prompt_logprobs[len(ids) - length:]  # position i: {token id: Logprob} of token i
             scores[row, :length] = torch.tensor([step[token].logprob for step, token in
                                                  zip(positions, ids[len(ids) - length:])])
         return scores
-
-
-def saved_config(model: torch.nn.Module) -> tempfile.TemporaryDirectory:
-    """A folder holding `model`'s config, which vLLM builds its model from (with dummy weights until a sync)."""
-    folder = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
-    config = copy.deepcopy(model.config)
-    # a model built from config and never saved names no architecture, and vLLM would guess another runner
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(folder.name)
-    return folder
-
-
-def engine_arguments(folder: str, dtype: str, device_type: str, config) -> dict:
-    """vLLM's `LLM` arguments for an engine built from the config in `folder` (`saved_config`), with the rollout.vllm
-    settings `config`, on `device_type` ("cpu" or "cuda"), in `dtype`."""
-    on_cpu = device_type == "cpu"
-    # on CPU the KV cache is this engine's rollout.vllm.cpu_kv_cache_gb (a VLLM_CPU_KVCACHE_SPACE of the user's
-    # wins); on a GPU gpu_memory_utilization sizes it
-    kv_cache = {"kv_cache_memory_bytes": config.cpu_kv_cache_gb * 2**30} if on_cpu else {}
-    return dict(
-        **kv_cache, model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, seed=0,
-        runner="generate",
-        # a partly prefilled row's sampled token is discarded by rewinding its seeded generator, which CPU
-        # generators cannot do (RuntimeError: CPU Generator does not use offset): on CPU each prompt is prefilled
-        # whole
-        enable_chunked_prefill=not on_cpu,
-        max_model_len=config.max_model_len, logprobs_mode="processed_logprobs", generation_config="vllm",
-        enforce_eager=config.enforce_eager, gpu_memory_utilization=config.gpu_memory_utilization,
-        enable_prefix_caching=config.enable_prefix_caching,
-    )
-
-
-def sampling_params(sampling: Sampling, seeds: list[int | None], stop: list[int]) -> list:
-    """vLLM's `SamplingParams` of each row: `sampling`, row n's seed (None: greedy), cut at the `stop` ids after
-    the fact (`assemble`), so vLLM itself ignores EOS."""
-    from vllm import SamplingParams
-
-    return [SamplingParams(n=1, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=sampling.top_p,
-                           max_tokens=sampling.max_new_tokens, seed=seed, logprobs=0 if sampling.logprobs else None,
-                           stop_token_ids=stop, ignore_eos=True, detokenize=False) for seed in seeds]
-
-
-def sampled_lists(outputs: list, logprobs: bool) -> tuple[list[list[int]], list[list[float]] | None]:
-    """vLLM's request outputs as plain lists: each row's sampled token ids, and the log-prob of each (where
-    `logprobs`)."""
-    samples = [output.outputs[0] for output in outputs]
-    tokens = [list(sample.token_ids) for sample in samples]
-    if not logprobs:
-        return tokens, None
-    return tokens, [[step[token].logprob for step, token in zip(sample.logprobs, ids)]
-                    for sample, ids in zip(samples, tokens)]
-
-
-def assemble(tokenizer, prompt_ids: list[list[int]], tokens: list[list[int]], logprobs: list[list[float]] | None,
-             stop: list[int]) -> Completions:
-    """Sampled rows as `Completions`: prompts left-padded, completions right-padded to the longest, each cut after
-    its first stop token, with the log-prob of each sampled token (0 on padding) where given."""
-    pad = tokenizer.pad_token_id
-    width = max(len(ids) for ids in prompt_ids)
-    prompts = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])  # [N, P]
-    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
-    length = max(1, max(len(ids) for ids in tokens))
-    completion = torch.full((len(tokens), length), pad, dtype=torch.long)  # [N, C]
-    values = torch.zeros(len(tokens), length)
-    for row, ids in enumerate(tokens):
-        completion[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        if logprobs is not None:
-            values[row, : len(ids)] = torch.tensor(logprobs[row])
-    generated = torch.tensor([[1] * len(ids) + [0] * (length - len(ids)) for ids in tokens]).bool()
-    return cut_at_stop(tokenizer, prompts, prompt_mask, completion, stop, values if logprobs is not None else None,
-                       generated)

@@ -135,7 +135,7 @@ class EngineProcess:
 
     def start(self) -> None:
         """Start the engine process on its cores and join it in the weight group; returns once vLLM is built."""
-        from gspo_lab.rollout.vllm.engine import saved_config
+        from gspo_lab.rollout.vllm.calls import saved_config
         from gspo_lab.rollout.vllm.weights import checkpoint_weights
 
         self.folder = saved_config(self.model)
@@ -236,7 +236,8 @@ def build(spec: EngineSpec):
     os.sched_setaffinity(0, spec.cores)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.cores))
     torch.set_num_threads(len(spec.cores))
-    from gspo_lab.rollout.vllm.engine import engine_arguments, quiet_reloads
+    from gspo_lab.rollout.vllm.calls import engine_arguments
+    from gspo_lab.rollout.vllm.engine import quiet_reloads
     from gspo_lab.rollout.vllm.setup import environment
 
     environment()
@@ -297,16 +298,16 @@ class Engine:
 
     def load(self, version: int) -> None:
         """Receive version `version`'s bytes and reload vLLM's weights in place from them."""
-        from gspo_lab.rollout.vllm.engine import _reload
+        from gspo_lab.rollout.vllm.weights import reload_in_worker
 
         self.group.broadcast(self.buffer, 0).wait()
-        self.llm.collective_rpc(_reload, args=(iter(self.spec.layout.unpack(self.buffer)),))
+        self.llm.collective_rpc(reload_in_worker, args=(iter(self.spec.layout.unpack(self.buffer)),))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after a weight sync")
         self.version = version
 
     def generate(self, request: Request) -> None:
-        from gspo_lab.rollout.vllm.engine import sampled_lists, sampling_params
+        from gspo_lab.rollout.vllm.calls import sampled_lists, sampling_params
 
         started = time.monotonic()
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in request.prompt_ids],

@@ -56,9 +56,6 @@ def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: s
     if device == "cpu" and nodes > 1:
         raise ValueError(f"trainer.num_nodes={nodes} with rollout.backend=vllm on CPU: each rank's engine needs its "
                          "local rank, which only a GPU's index gives here; use one node or rollout.backend=hf")
-    if sharded:
-        raise ValueError("rollout.backend=vllm with trainer=fsdp is not supported yet (full weights on each rank); use "
-                         "rollout.backend=hf or trainer=ddp")
     environment()
     from vllm import ModelRegistry
 

@@ -96,3 +96,22 @@ def persistent_buffer_names(model: torch.nn.Module) -> list[str]:
     """The names of the model's persistent buffers (`checkpoint_tensors` without the parameters)."""
     parameters = {name for name, _ in model.named_parameters()}
     return [name for name, _ in checkpoint_tensors(model) if name not in parameters]
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Repack the expert banks of vLLM's CPU MoE kernel after an in-place reload, which loads them unpacked and
+    leaves them so; returns how many layers were repacked (0 off CPU)."""
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if type(experts).__name__ == "CPUUnquantizedExperts":
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+def reload_in_worker(worker, weights: Iterator[tuple[str, Tensor]]) -> int:
+    """In vLLM's worker (this process): reload the weights in place; repack CPU expert banks."""
+    worker.model_runner.reload_weights(weights_iterator=weights)
+    return repack_cpu_experts(worker.model_runner.model)
