@@ -494,6 +494,15 @@ def fsdp(settings: Settings, timeout: float) -> str:
     return block(output, bench_lines())
 
 
+def lora(settings: Settings, timeout: float) -> str:
+    """LoRA on bench_gpu (model.lora: the attention projections and the routers; PEFT's parameter LoRA rebuilds
+    every router's gate in each forward): the RL step against full training's in the `bench_gpu` step. The
+    trainer's side of LoRA x vLLM; the engine's (a merged sync per tensor) needs vLLM's CUDA build."""
+    output = script("bench.py", "--workload", "bench_gpu", "--steps", str(settings.steps(4)), "model.lora.enabled=true",
+                    *settings.trainer(), *settings.workload("bench_gpu"), timeout=timeout)
+    return block(output, bench_lines())
+
+
 def recipes(settings: Settings, timeout: float) -> str:
     import csv
 
@@ -544,6 +553,7 @@ STEPS = [
          120),  # a guess: never run on a GPU (84 s on CPU at toy sizes, both engines)
     Step("micro_batches", "Micro-batches on bench_gpu", micro_batches, 160),  # its first run alone: over 63 s
     Step("fsdp", "FSDP2 on one device (bench_gpu)", fsdp, 90),
+    Step("lora", "LoRA on bench_gpu", lora, 90),  # a guess: never run on a GPU
     Step("recipes", "Each recipe, two RL steps on its stand-ins", recipes, 120),
     Step("bench_vocab", "bench_vocab at 256 and 1,024 tokens against its floor and TRL", bench_vocab, 300),
 ]

@@ -479,6 +479,8 @@ R3_FAMILIES = {
     "grouped": ["model=tiny_glm4_moe", "model.config.head_dim=32", "model.config.num_hidden_layers=3",
                 "model.config.first_k_dense_replace=1"],
 }
+# the softmax family with LoRA on its router's gate and its experts, whose engine gets them merged
+R3_FAMILIES["softmax_topk_lora"] = R3_FAMILIES["softmax_topk"] + LORA
 
 
 @pytest.mark.parametrize("family", sorted(R3_FAMILIES))
@@ -500,6 +502,9 @@ def test_the_engines_experts_are_the_trainers_and_replaying_them_changes_no_logp
         with torch.no_grad():  # a selection bias of the logits' size: the sigmoid families route by it
             for name in persistent_buffer_names(module.model):
                 module.model.get_buffer(name).normal_(0, 1)
+            for name, parameter in module.model.named_parameters():  # adapters as if trained (B starts at 0)
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.5)
         module.engine.sync()
         sampling = rollout_sampling(module)
         long = [p[:-1] + "+1" * 80 + "=" for p in PROMPTS]  # over a block of the CPU cache (128 tokens): cached

@@ -108,6 +108,27 @@ def host_state_kept() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
+@contextmanager
+def trainer_group_kept(owned: bool) -> Iterator[None]:
+    """Around vLLM's shutdown, which ends torch.distributed (`destroy_process_group()` of the default group): under
+    DDP or FSDP2 that group is the trainer's, which still needs it (FSDP2's full state dict of the final model
+    gathers through it), so it is kept unless vLLM started it (`owned`, one process)."""
+    if owned:
+        yield
+        return
+    destroy = torch.distributed.destroy_process_group
+
+    def keep_default(group=None) -> None:
+        if group is not None and group is not torch.distributed.GroupMember.WORLD:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = keep_default
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
+
+
 def ranks_own_engine(device: torch.device) -> dict:
     """Under DDP, each rank's engine of its own (tensor parallel size 1) in the process group the trainer's ranks
     already hold (vLLM's `external_launcher`, as TRL's colocate mode), which reads the rank from the environment
@@ -212,7 +233,8 @@ class VLLMEngine:
             return
         from vllm.distributed import parallel_state
 
-        self.llm.llm_engine.engine_core.shutdown()
+        with trainer_group_kept(self.owns_process_group):
+            self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
         parallel_state.destroy_model_parallel()
         if self.owns_process_group:
