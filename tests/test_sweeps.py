@@ -37,12 +37,16 @@ def gspo_train(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
+VLLM_STUDIES = ("real_engine", "engine_r3")  # rollouts from vLLM: run under make test-vllm
+
+
 def finished_runs(sweep: Path) -> list[Path]:
     return sorted(p.parent for p in sweep.glob("*/summary.json"))
 
 
 def test_every_experiment_is_tested():
-    assert STUDIES == ["clip_lr", "clip_range", "entropy", "expert_volatility", "group_size", "length_norm", "length_norm_long",
+    assert STUDIES == ["clip_lr", "clip_range", "engine_r3", "entropy", "expert_volatility", "group_size", "length_norm",
+                       "length_norm_long",
                        "multi_turn_calculator", "multi_turn_guess_number", "objective_zoo", "objective_zoo_long",
                        "off_policy", "overoptimization", "paper_main", "precision", "real_engine", "routing_replay",
                        "stability", "staleness"]
@@ -63,10 +67,10 @@ def test_single_run_experiment_runs_one_tiny_step(experiment, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("study", [pytest.param(s, marks=pytest.mark.vllm) if s == "real_engine" else s
+@pytest.mark.parametrize("study", [pytest.param(s, marks=pytest.mark.vllm) if s in VLLM_STUDIES else s
                                    for s in STUDIES])
 def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
-    if study == "real_engine":  # rollouts from vLLM: make test-vllm runs it
+    if study in VLLM_STUDIES:  # rollouts from vLLM: make test-vllm runs it
         pytest.importorskip("vllm")
     swept = EXPERIMENTS[study].hydra.sweeper.params
     dense = "override /model: tiny_dense" in OmegaConf.to_yaml(EXPERIMENTS[study].get("defaults", []))
@@ -83,7 +87,7 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
     runs = finished_runs(tmp_path / "sweep")
     expected = {"paper_main": 5, "clip_range": 6, "clip_lr": 12, "group_size": 4, "length_norm": 2, "length_norm_long": 2,
                 "objective_zoo": 16, "objective_zoo_long": 16, "routing_replay": 6, "expert_volatility": 8,
-                "off_policy": 4, "stability": 6, "precision": 4, "real_engine": 4, "entropy": 2,
+                "off_policy": 4, "stability": 6, "precision": 4, "real_engine": 4, "engine_r3": 3, "entropy": 2,
                 "multi_turn_calculator": 5, "multi_turn_guess_number": 5, "staleness": 20,
                 "overoptimization": 6}[study]
     assert len(runs) == expected

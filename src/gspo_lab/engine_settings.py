@@ -62,6 +62,10 @@ class EngineConfig:
         return not (self.copies_weights or self.router_noise)
 
 
+# rollout.vllm.lora_sync values: what a weight sync sends to vLLM under model.lora
+LORA_SYNCS = ("merged", "adapter")
+
+
 @dataclass
 class VLLMConfig:
     """vLLM's settings for rollout.backend=vllm (gspo_lab.rollout.vllm.engine); the rest is vLLM's defaults.
@@ -75,6 +79,9 @@ class VLLMConfig:
         enforce_eager: no CUDA graphs (they take seconds to capture and memory to hold; a GPU run gains speed
             from false).
         enable_prefix_caching: a group's prompt is prefilled once and its keys and values reused.
+        lora_sync: with model.lora, what a sync sends: "merged" (each wrapped weight as W + scale·BA, through the
+            in-place reload) or "adapter" (the base weights once, then the adapters alone, which vLLM serves as a
+            LoRA adapter: TRL's adapter sync; attention and MLP projections only).
     """
 
     dtype: str | None = None
@@ -83,8 +90,11 @@ class VLLMConfig:
     cpu_kv_cache_gb: int = 1
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
+    lora_sync: str = "merged"
 
     def __post_init__(self) -> None:
+        _require(self.lora_sync in LORA_SYNCS, "rollout.vllm.lora_sync", self.lora_sync,
+                 f"must be one of {list(LORA_SYNCS)}")
         _require(self.dtype in (None, "float32", "bfloat16", "float16"), "rollout.vllm.dtype", self.dtype,
                  "must be null, float32, bfloat16 or float16")
         if self.max_model_len is not None:

@@ -20,10 +20,11 @@ from gspo_lab.eval_sets import evaluation_backend
 from gspo_lab.rollout import token_logprobs
 from gspo_lab.rollout.backend import Sampling
 from gspo_lab.rollout.sampling import draw_row_seeds
-from gspo_lab.rollout.vllm.engine import NarrowingLoadFilter, VLLMEngine
+from gspo_lab.rollout.vllm.engine import VLLMEngine
 from gspo_lab.rollout.vllm.experts import Captured
 from gspo_lab.rollout.vllm.setup import BUFFERS_SYNCED
 from gspo_lab.rollout.vllm.weights import (
+    NarrowingLoadFilter,
     checkpoint_weights,
     persistent_buffer_names,
     reload_in_worker,
@@ -44,6 +45,9 @@ TINY = {"tiny_dense": ["model.config.num_hidden_layers=1", "model.config.hidden_
                      "model.config.moe_intermediate_size=32"]}
 # LoRA on the attention projections, the router's gate and the expert banks: each wrapped weight is synced merged
 LORA = ["model.lora.enabled=true", "model.lora.experts=true", "model.lora.rank=4", "optimizer.lr=0.01"]
+# the adapters alone, served by vLLM's LoRA: on the attention projections of a dense model (vLLM's LoRA covers
+# linear layers; on CPU it cannot wrap a MoE layer)
+LORA_ADAPTER = ["model.lora.enabled=true", "model.lora.rank=4", "optimizer.lr=0.01", "rollout.vllm.lora_sync=adapter"]
 # the families of the architectures whose persistent buffers a sync is shown to reach (gspo_lab.rollout.vllm.setup.BUFFERS_SYNCED)
 BUFFERS_SYNCED_FAMILIES = {"tiny_glm4_moe": "Glm4MoeForCausalLM", "tiny_exaone_moe": "ExaoneMoeForCausalLM"}
 
@@ -66,13 +70,14 @@ def engine_gap(module, seeds: torch.Tensor) -> float:
     return ((completions.logprobs - trainer) * completions.completion_mask).abs().max().item()
 
 
-@pytest.mark.parametrize("model, lora", [("tiny_dense", []), ("tiny_moe", []), ("tiny_moe", LORA)],
-                         ids=["dense", "moe", "moe_lora"])
+@pytest.mark.parametrize("model, lora", [("tiny_dense", []), ("tiny_moe", []), ("tiny_moe", LORA),
+                                         ("tiny_dense", LORA_ADAPTER)], ids=["dense", "moe", "moe_lora", "dense_adapter"])
 def test_the_engine_samples_with_the_trainers_weights_after_every_sync(model, lora, compose, rl_overrides):
     """At step 0 and after 3 optimizer updates the engine's log-probs of its own samples are the trainer's to
     float32 rounding; between the updates and the next sync they are not (the check sees a stale engine). On CPU
     vLLM packs every Linear (and a MoE's expert banks) for its kernels at load: a sync that misses them fails. With
-    LoRA only the adapters train, and the engine gets each wrapped weight merged, W + scale·BA."""
+    LoRA only the adapters train, and the engine gets each wrapped weight merged, W + scale·BA, or (lora_sync=adapter)
+    the adapters alone, which it serves on the base weights of its first sync."""
     tiny = [o for o in rl_overrides if not o.startswith("model.")] + [f"model={model}", *TINY[model], *lora]
     run, module, _ = build(compose(tiny + VLLM + ["train.steps=1", "train.minibatches=3", "rollout.prompts_per_step=3",
                                                   "train.eval_every=0"]))
@@ -123,6 +128,14 @@ def test_the_samples_follow_their_seeds_whatever_the_batching_and_the_engine(com
     (["rollout.engine.precision=bf16"], r"rollout.engine.\* simulates an inference engine on the hf backend"),
     (["rollout.engine.router_noise=0.1"], r"rollout.engine.\* simulates"),
     (["rollout.top_p=0.9"], r"rollout.top_p=0.9 with rollout.backend=vllm: vLLM's log-probs of a top-p sample"),
+    (["rollout.vllm.lora_sync=adapter"], r"rollout.vllm.lora_sync=adapter syncs LoRA adapters, and "
+                                         r"model.lora.enabled=false"),
+    (["model=tiny_moe", "model.lora.enabled=true", "rollout.vllm.lora_sync=adapter"],
+     r"rollout.vllm.lora_sync=adapter with model.lora.routers=true: vLLM serves adapters on linear layers"),
+    (["model=tiny_moe", "model.lora.enabled=true", "model.lora.routers=false", "rollout.vllm.lora_sync=adapter"],
+     r"rollout.vllm.lora_sync=adapter on CPU with a mixture-of-experts model: vLLM's LoRA wraps every MoE layer in a "
+     r"Triton kernel"),
+    (["rollout.vllm.lora_sync=bundle"], r"rollout.vllm.lora_sync='bundle' is invalid: must be one of"),
     (["model.config.head_dim=16"], r"the model's head size is 16, and vLLM's CPU attention kernels take multiples "
                                    r"of 32"),
     (["model=tiny_moe", "+model.config.architectures=[NotAModelForCausalLM]"], r"vLLM does not serve"),
@@ -188,13 +201,15 @@ def test_evaluation_generates_through_the_engine_greedy_as_transformers_does(com
     assert abs(engine["eval/accuracy"] - hf["eval/accuracy"]) <= (24 - same) / 24
 
 
-@pytest.mark.parametrize("lora", [[], LORA], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [[], LORA, ["model=tiny_dense", *TINY["tiny_dense"], *LORA_ADAPTER]],
+                         ids=["full", "lora", "lora_adapter"])
 def test_every_rl_step_samples_with_that_steps_weights(lora, compose, rl_overrides):
     """A run: each rollout's engine log-probs are the trainer's to float32 rounding (mismatch/*), so each step's
     sync reached the engine after the previous step's updates (a fused AdamW step leaves no trace in the
-    parameters' version counters; the sync cannot rely on them). With LoRA (merged sync) the adapters move, and
-    the engine follows them: mismatch/kl < 1e-8 at every step."""
-    run, module, _ = build(compose(rl_overrides + VLLM + lora + ["train.steps=3", "train.eval_every=3"]))
+    parameters' version counters; the sync cannot rely on them). With LoRA (a merged sync, or the adapters alone)
+    the adapters move, and the engine follows them: mismatch/kl < 1e-8 at every step."""
+    model = [o for o in rl_overrides if not o.startswith("model.")] if lora[:1] == ["model=tiny_dense"] else rl_overrides
+    run, module, _ = build(compose(model + VLLM + lora + ["train.steps=3", "train.eval_every=3"]))
     run.trainer.fit(module)
     rows = [row for row in module.history if "mismatch/kl" in row]
     assert len(rows) == 3 and all(row["mismatch/seq_log_ratio_abs"] <= ROUNDING for row in rows)

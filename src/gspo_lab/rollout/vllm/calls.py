@@ -30,15 +30,21 @@ def saved_config(model: torch.nn.Module) -> tempfile.TemporaryDirectory:
     return folder
 
 
-def engine_arguments(folder: str, dtype: str, device_type: str, config) -> dict:
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
+
+
+def engine_arguments(folder: str, dtype: str, device_type: str, config, lora_rank: int | None = None) -> dict:
     """vLLM's `LLM` arguments for an engine built from the config in `folder` (`saved_config`), with the rollout.vllm
-    settings `config`, on `device_type` ("cpu" or "cuda"), in `dtype`."""
+    settings `config`, on `device_type` ("cpu" or "cuda"), in `dtype`; serving one LoRA adapter of up to
+    `lora_rank` where given (rollout.vllm.lora_sync=adapter)."""
     on_cpu = device_type == "cpu"
+    lora = {} if lora_rank is None else {
+        "enable_lora": True, "max_loras": 1, "max_lora_rank": next(r for r in LORA_RANKS if r >= lora_rank)}
     # on CPU the KV cache is this engine's rollout.vllm.cpu_kv_cache_gb (a VLLM_CPU_KVCACHE_SPACE of the user's
     # wins); on a GPU gpu_memory_utilization sizes it
     kv_cache = {"kv_cache_memory_bytes": config.cpu_kv_cache_gb * 2**30} if on_cpu else {}
     return dict(
-        **kv_cache, model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, seed=0,
+        **kv_cache, **lora, model=folder, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, seed=0,
         runner="generate",
         # a partly prefilled row's sampled token is discarded by rewinding its seeded generator, which CPU
         # generators cannot do (RuntimeError: CPU Generator does not use offset): on CPU each prompt is prefilled

