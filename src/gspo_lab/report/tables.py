@@ -17,7 +17,7 @@ from gspo_lab.report.stats import (Interval, improvement_interval, iqm_interval,
 HEADLINE = ("held-out accuracy", "accuracy gain", "final reward", "clip/frac")  # the settings table's columns
 PER_STEP = ("routing/changed_frac", "routing/changed_tokens_frac", "routing/override_frac",
             "routing/rollout_disagreement", "routing/rollout_disagreement_tokens", "mismatch/kl",
-            "mismatch/extreme_frac", "mismatch/seq_log_ratio_abs", "seq ratio spread", "grad_norm",
+            "mismatch/extreme_frac", "mismatch/seq_log_ratio_abs", "mismatch/pi_old_kl", "seq ratio spread", "grad_norm",
             "entropy", "cispo/capped_frac", "sapo/gate_mean", "vespo/weight_mean", "rollout/sampling_rounds",
             "rollout/unfilled_groups")  # run value: mean over steps, where logged (the last five: the limiters
 # of the objectives without clip/frac, and dynamic sampling)
