@@ -97,7 +97,7 @@ def plan(cfg: DictConfig) -> Plan:
             backend_class(parts["rollout"].rescore).check(settings)
         check_strategy(model_source, trainer, parts["rollout"])
         if parts["rollout"].async_mode == "overlap":
-            check_overlap(parts["rollout"], settings.device, trainer.world_size)
+            check_overlap(parts["rollout"], parts["routing"], settings.device, trainer.world_size)
     except InstantiationException as error:
         raise ConfigError(str(error.__cause__ or error)) from error
     except (ValueError, FileNotFoundError) as error:
@@ -154,9 +154,14 @@ def check_answers(task, cfg: DictConfig, model_source, train, evaluation) -> Non
                          "train.eval_every=0, or evaluate a task that has answers (eval.sets.<name>.task)")
 
 
-def check_overlap(rollout, device: str, world_size: int) -> None:
+def check_overlap(rollout, routing, device: str, world_size: int) -> None:
     """rollout.async_mode=overlap as built: one trainer process on CPU beside one engine process, each on cores of
-    its own (gspo_lab.rollout.overlap; the multi-GPU design is in docs/concepts/staleness.md, not built)."""
+    its own (gspo_lab.rollout.overlap; the multi-GPU design is in docs/concepts/staleness.md, not built), which
+    returns no experts."""
+    if routing.replay == "r3":
+        raise ValueError("routing.replay=r3 with rollout.async_mode=overlap: the engine process returns no experts yet "
+                         "(the colocated engine captures them: gspo_lab.rollout.vllm.experts); use routing.replay=r2 "
+                         "or async_mode=lagged")
     if device != "cpu" or world_size != 1:
         raise ValueError(f"rollout.async_mode=overlap runs one trainer process on CPU beside its engine process (here: "
                          f"{world_size} process(es) on {device}); the design for engine ranks on GPUs of their own is in "

@@ -107,8 +107,8 @@ def test_the_name_test_finder_finds_name_tests():
 
 def test_no_module_outside_rollout_compares_a_backend_with_a_name():
     """Before backends declared their capabilities this found 7 (config.py 4, besides its RESCORERS tuple; plan.py,
-    eval_sets.py, report/runs.py 1 each). The judge's own engine (rewards/judge.py: judge.backend) is another setting, of the judge; it is kept
-    apart here by its path."""
+    eval_sets.py, report/runs.py 1 each). The judge's own engine (rewards/judge.py: judge.backend) is another
+    setting, of the judge; it is kept apart here by its path."""
     found = {str(path.relative_to(SRC)): name_tests(path.read_text()) for path in SRC.rglob("*.py")
              if "rollout" not in path.relative_to(SRC).parts[:1] and path.name != "judge.py"}
     assert {path: tests for path, tests in found.items() if tests} == {}

@@ -73,7 +73,9 @@ def test_a_drop_policy_may_queue_beyond_k_and_bad_settings_name_their_key():
 def test_overlap_with_tools_or_on_two_ranks_is_refused_at_plan_time(compose, tmp_path):
     pytest.importorskip("vllm")
     for more, message in ((["task=calculator"], "with task.tools or task.environment"),
-                          (["trainer=ddp", "trainer.devices=2"], r"here: 2 process\(es\) on cpu")):
+                          (["trainer=ddp", "trainer.devices=2"], r"here: 2 process\(es\) on cpu"),
+                          (["algorithm=grpo_r3"], r"routing.replay=r3 with rollout.async_mode=overlap: the engine "
+                                                  r"process returns no experts yet")):
         with pytest.raises(ConfigError, match=message):
             plan(compose(overlap(1) + more + [f"paths.output_dir={tmp_path}"]))
 

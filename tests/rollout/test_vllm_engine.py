@@ -48,7 +48,8 @@ LORA = ["model.lora.enabled=true", "model.lora.experts=true", "model.lora.rank=4
 # the adapters alone, served by vLLM's LoRA: on the attention projections of a dense model (vLLM's LoRA covers
 # linear layers; on CPU it cannot wrap a MoE layer)
 LORA_ADAPTER = ["model.lora.enabled=true", "model.lora.rank=4", "optimizer.lr=0.01", "rollout.vllm.lora_sync=adapter"]
-# the families of the architectures whose persistent buffers a sync is shown to reach (gspo_lab.rollout.vllm.setup.BUFFERS_SYNCED)
+# the families of the architectures whose persistent buffers a sync is shown to reach
+# (gspo_lab.rollout.vllm.setup.BUFFERS_SYNCED)
 BUFFERS_SYNCED_FAMILIES = {"tiny_glm4_moe": "Glm4MoeForCausalLM", "tiny_exaone_moe": "ExaoneMoeForCausalLM"}
 
 
@@ -71,7 +72,8 @@ def engine_gap(module, seeds: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("model, lora", [("tiny_dense", []), ("tiny_moe", []), ("tiny_moe", LORA),
-                                         ("tiny_dense", LORA_ADAPTER)], ids=["dense", "moe", "moe_lora", "dense_adapter"])
+                                         ("tiny_dense", LORA_ADAPTER)],
+                         ids=["dense", "moe", "moe_lora", "dense_adapter"])
 def test_the_engine_samples_with_the_trainers_weights_after_every_sync(model, lora, compose, rl_overrides):
     """At step 0 and after 3 optimizer updates the engine's log-probs of its own samples are the trainer's to
     float32 rounding; between the updates and the next sync they are not (the check sees a stale engine). On CPU
@@ -208,7 +210,8 @@ def test_every_rl_step_samples_with_that_steps_weights(lora, compose, rl_overrid
     sync reached the engine after the previous step's updates (a fused AdamW step leaves no trace in the
     parameters' version counters; the sync cannot rely on them). With LoRA (a merged sync, or the adapters alone)
     the adapters move, and the engine follows them: mismatch/kl < 1e-8 at every step."""
-    model = [o for o in rl_overrides if not o.startswith("model.")] if lora[:1] == ["model=tiny_dense"] else rl_overrides
+    dense = lora[:1] == ["model=tiny_dense"]
+    model = [o for o in rl_overrides if not o.startswith("model.")] if dense else rl_overrides
     run, module, _ = build(compose(model + VLLM + lora + ["train.steps=3", "train.eval_every=3"]))
     run.trainer.fit(module)
     rows = [row for row in module.history if "mismatch/kl" in row]

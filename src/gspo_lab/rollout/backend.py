@@ -194,8 +194,8 @@ def check_capabilities(backend: type, run: RunSettings, multi_turn: bool) -> Non
                              f"{capability} = True (docs/concepts/rollout-engine.md, the table of what runs; "
                              "docs/how-to/extend.md)")
     if rollout.rescore is not None:
-        named = rollout.rescore in BACKENDS or ":" in rollout.rescore
-        scorer = backend_class(rollout.rescore, "rollout.rescore") if named else None
+        registered = rollout.rescore in BACKENDS or ":" in rollout.rescore
+        scorer = backend_class(rollout.rescore, "rollout.rescore") if registered else None
         if scorer is None or not issubclass(scorer, Scorer):
             raise ValueError(f"rollout.rescore={rollout.rescore!r} is invalid: must be null or a backend that scores "
                              f"tokens it did not sample (a Scorer: one of {scorers()})")

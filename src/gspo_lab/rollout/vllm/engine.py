@@ -182,8 +182,8 @@ class VLLMEngine:
         """vLLM's prompt log-probs skip the sampler, and so its temperature."""
         if rollout.temperature != 1:
             raise ValueError(f"rollout.rescore=vllm with rollout.temperature={rollout.temperature}: vLLM scores a "
-                             "prompt's tokens on its raw logits, without the sampling temperature; use temperature 1 or "
-                             "rollout.rescore=hf")
+                             "prompt's tokens on its raw logits, without the sampling temperature; use temperature 1 "
+                             "or rollout.rescore=hf")
 
     @property
     def model(self) -> torch.nn.Module:
@@ -273,11 +273,11 @@ class VLLMEngine:
         """The backend's contract (gspo_lab.rollout.backend) on vLLM, with the weights of the last `sync`: one
         completion per prompt, row n seeded by `row_seeds[n]` (greedy: none), cut at the stop ids as the hf
         backend cuts them (`stop_ids`), with the engine's log-probs of the sampled tokens and, for a MoE model
-        where `routing` is given, the experts it routed each prompt and completion token to (captured in its worker:
-        gspo_lab.rollout.vllm.experts) as the routing trace. Each group's prompt is prefilled once by the prefix cache, whatever
-        `sampling.share_prompts`. `suppress_eos` (benchmarks): every completion runs to max_new_tokens; a stop
-        token may be sampled, and does not stop it (hf never samples one), so the distribution and its log-probs
-        stay the trainer's."""
+        where `routing` is given, the experts it routed each prompt and completion token to (captured in its
+        worker: gspo_lab.rollout.vllm.experts) as the routing trace. Each group's prompt is prefilled once by the
+        prefix cache, whatever `sampling.share_prompts`. `suppress_eos` (benchmarks): every completion runs to
+        max_new_tokens; a stop token may be sampled, and does not stop it (hf never samples one), so the
+        distribution and its log-probs stay the trainer's."""
         stop = [] if sampling.suppress_eos else stop_ids(tokenizer, self.trainer_model, sampling.stop_token_ids)
         encoded = ([list(ids) for ids in prompts] if prompts and not isinstance(prompts[0], str) else
                    tokenizer(prompts, add_special_tokens=sampling.add_special_tokens)["input_ids"])
@@ -309,8 +309,8 @@ class VLLMEngine:
         kept = completions.completion_mask.sum(-1).tolist()  # a completion cut at a stop token keeps fewer
         rows = [row[: p + c - 1] for row, p, c in zip(routed, prompt_lens, kept)]
         prompt_len = completions.prompt_ids.shape[1]
-        return trace_from_routed_experts(rows, prompt_lens, prompt_len, prompt_len + completions.completion_ids.shape[1],
-                                         expert_count(self.trainer_model))
+        length = prompt_len + completions.completion_ids.shape[1]
+        return trace_from_routed_experts(rows, prompt_lens, prompt_len, length, expert_count(self.trainer_model))
 
     def score(self, tokenizer, completions: Completions, temperature: float) -> Tensor:
         """vLLM's log-probs [N, C] of the completion tokens under the engine's current weights: its prompt log-probs
