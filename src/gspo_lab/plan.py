@@ -157,11 +157,15 @@ def check_answers(task, cfg: DictConfig, model_source, train, evaluation) -> Non
 def check_overlap(rollout, routing, device: str, world_size: int) -> None:
     """rollout.async_mode=overlap as built: one trainer process on CPU beside one engine process, each on cores of
     its own (gspo_lab.rollout.overlap; the multi-GPU design is in docs/concepts/staleness.md, not built), which
-    returns no experts."""
+    returns no experts and takes whole weight versions, never adapters."""
     if routing.replay == "r3":
         raise ValueError("routing.replay=r3 with rollout.async_mode=overlap: the engine process returns no experts yet "
                          "(the colocated engine captures them: gspo_lab.rollout.vllm.experts); use routing.replay=r2 "
                          "or async_mode=lagged")
+    if rollout.vllm.lora_sync == "adapter":
+        raise ValueError("rollout.vllm.lora_sync=adapter with rollout.async_mode=overlap: the engine process takes "
+                         "whole weight versions (the LoRA-wrapped weights merged), not adapters; use "
+                         "rollout.vllm.lora_sync=merged or async_mode=lagged")
     if device != "cpu" or world_size != 1:
         raise ValueError(f"rollout.async_mode=overlap runs one trainer process on CPU beside its engine process (here: "
                          f"{world_size} process(es) on {device}); the design for engine ranks on GPUs of their own is in "

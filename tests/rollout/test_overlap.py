@@ -75,7 +75,9 @@ def test_overlap_with_tools_or_on_two_ranks_is_refused_at_plan_time(compose, tmp
     for more, message in ((["task=calculator"], "with task.tools or task.environment"),
                           (["trainer=ddp", "trainer.devices=2"], r"here: 2 process\(es\) on cpu"),
                           (["algorithm=grpo_r3"], r"routing.replay=r3 with rollout.async_mode=overlap: the engine "
-                                                  r"process returns no experts yet")):
+                                                  r"process returns no experts yet"),
+                          (["model=tiny_dense", "model.lora.enabled=true", "rollout.vllm.lora_sync=adapter"],
+                           r"rollout.vllm.lora_sync=adapter with rollout.async_mode=overlap")):
         with pytest.raises(ConfigError, match=message):
             plan(compose(overlap(1) + more + [f"paths.output_dir={tmp_path}"]))
 
