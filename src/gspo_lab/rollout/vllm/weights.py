@@ -11,7 +11,11 @@ The trainer's model may hold its weights in three ways, and the engine gets full
 - with LoRA adapters (model.lora; PEFT injects them into the model): a wrapped weight is sent merged, W + scale·BA,
   computed for that tensor alone and never written back (`lora_layers`); the adapters themselves are not sent.
   TRL merges the adapters into the model, syncs and unmerges; computing each merged tensor apart leaves the
-  trainer's weights untouched, rounding included.
+  trainer's weights untouched, rounding included. Under rollout.vllm.lora_sync=adapter the base weights go once
+  (`merged=False`) and then the adapters alone, in PEFT's format (`save_adapter`).
+
+`reload_in_worker` runs in vLLM's worker and loads what `checkpoint_weights` yields through vLLM's in-place reload;
+`quiet_reloads` silences what that reload logs at every sync and that says nothing.
 """
 
 from __future__ import annotations
