@@ -48,9 +48,10 @@ TIMED = ("time/", "throughput/")
 # (2026-12-07; at step 0 completion/len_mean, entropy and clip/frac as recorded: the same samples); not reproduced in
 # one process in either order with another engine's test. The suspect, not pinned down: vLLM's CPU worker binds the process's
 # OpenMP threads when an engine starts, in a pytest worker that other engines have used. 1e-5 relative still fails
-# on a change that moves the step.
+# on a change that moves the step. The engine-trainer mismatch of a float32 engine is itself rounding (a second CI
+# run: mismatch/seq_log_ratio_abs 1.15e-7 against 6.4e-8 recorded): values within 1e-6 of each other are equal.
 ROUNDED = {"vllm"}
-ROUNDED_REL = 1e-5
+ROUNDED_REL, ROUNDED_ABS = 1e-5, 1e-6
 
 
 def machine() -> dict:
@@ -108,6 +109,6 @@ def same(value: str, recorded: str, rounded: bool) -> bool:
     if value == recorded or not rounded:
         return value == recorded
     try:
-        return math.isclose(float(value), float(recorded), rel_tol=ROUNDED_REL, abs_tol=1e-9)
+        return math.isclose(float(value), float(recorded), rel_tol=ROUNDED_REL, abs_tol=ROUNDED_ABS)
     except ValueError:
         return False
