@@ -4,7 +4,6 @@ seeds whatever the batching, evaluation generates through it, two DDP ranks each
 on transformers, and what vLLM cannot run here is refused before anything trains. Skipped where vLLM is not
 installed."""
 
-import csv
 import json
 import logging
 import os
@@ -30,6 +29,8 @@ from gspo_lab.rollout.vllm.weights import (
     reload_in_worker,
 )
 from gspo_lab.train import ConfigError, build, plan
+from tests.test_fsdp import rows as run_rows
+from tests.test_fsdp import run_two_processes
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -148,17 +149,11 @@ def test_what_vllm_cannot_run_here_is_refused_before_anything_trains(overrides, 
 
 
 def two_ranks(overrides: list[str], strategy: list[str], run_dir) -> list[dict[str, str]]:
-    """A run on two gloo processes (Lightning's DDP or FSDP2 on CPU), each rank with its own engine; its
-    metrics.csv rows."""
-    result = subprocess.run(
-        [sys.executable, "-m", "gspo_lab.train", *overrides, *strategy, "trainer.devices=2", "train.steps=2",
-         "train.eval_every=2", f"hydra.run.dir={run_dir}"],
-        cwd=run_dir.parent, env={**os.environ, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    """A two-step run on two gloo processes (Lightning's DDP or FSDP2 on CPU, tests/test_fsdp.py's launcher), each
+    rank with its own engine; its metrics.csv rows."""
+    result = run_two_processes([*overrides, "train.steps=2", "train.eval_every=2"], strategy, run_dir, timeout=900)
     assert "GLOBAL_RANK: 1" in result.stdout + result.stderr
-    with open(run_dir / "metrics.csv", newline="") as file:
-        return list(csv.DictReader(file))
+    return run_rows(run_dir)
 
 
 @pytest.mark.slow

@@ -67,6 +67,13 @@ from gspo_lab.routing.engine_traces import trace_from_routed_experts
 from gspo_lab.routing.trace import RoutingTrace
 
 
+def refuse_scoring_temperature(temperature: float) -> None:
+    """vLLM scores a prompt's tokens on its raw logits: at temperature 1 only (rollout.rescore=vllm)."""
+    if temperature != 1:
+        raise ValueError(f"rollout.rescore=vllm with rollout.temperature={temperature}: vLLM scores a prompt's tokens "
+                         "on its raw logits, without the sampling temperature; use temperature 1 or rollout.rescore=hf")
+
+
 @contextmanager
 def autocast_off(device_type: str) -> Iterator[None]:
     """The autocast that trainer.precision wraps the RL step in (bf16-mixed: torch.autocast(bfloat16)) turned off
@@ -180,10 +187,7 @@ class VLLMEngine:
     @classmethod
     def check_scoring(cls, rollout: RolloutConfig) -> None:
         """vLLM's prompt log-probs skip the sampler, and so its temperature."""
-        if rollout.temperature != 1:
-            raise ValueError(f"rollout.rescore=vllm with rollout.temperature={rollout.temperature}: vLLM scores a "
-                             "prompt's tokens on its raw logits, without the sampling temperature; use temperature 1 "
-                             "or rollout.rescore=hf")
+        refuse_scoring_temperature(rollout.temperature)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -318,9 +322,7 @@ class VLLMEngine:
         softmax(logits) at temperature 1 only."""
         from vllm import SamplingParams
 
-        if temperature != 1:
-            raise ValueError(f"rollout.rescore=vllm with rollout.temperature={temperature}: vLLM scores a prompt's "
-                             "tokens on its raw logits, without the sampling temperature; use temperature 1")
+        refuse_scoring_temperature(temperature)
         rows = []
         for prompt, keep, completion, length in zip(completions.prompt_ids.tolist(), completions.prompt_mask.tolist(),
                                                     completions.completion_ids.tolist(),
