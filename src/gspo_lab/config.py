@@ -15,6 +15,7 @@ from gspo_lab.engine_settings import (  # noqa: F401 - re-exported: conf/ names 
     STALE_POLICIES,
     WEIGHT_BITS,
     EngineConfig,
+    LAG_SPREADS,
     OverlapConfig,
     VLLMConfig,
     _positive_int,
@@ -66,7 +67,7 @@ class RolloutConfig:
         tool_workers: worker processes that run tools and environments (row r's in worker r mod tool_workers).
         tool_timeout_s: a tool call still running after this is a timeout: its worker is killed.
         max_staleness: k, the most weight versions a trained row may lag the policy (versions count weight syncs,
-            one per RL step; gspo_lab.rollout.staleness). 0: the synchronous step, every row from the current
+            one per RL step; gspo_lab.rollout.sources.lagged). 0: the synchronous step, every row from the current
             weights.
         async_mode: how rows come to be stale when max_staleness > 0: "lagged" (deterministic, for studies: at
             step t the engine holds version max(t - k, 0)), or "overlap" (a vLLM engine in a process of its own
@@ -75,6 +76,13 @@ class RolloutConfig:
             be: it waits for the trainer's weights) or "drop" (it is dropped and generated again from the current
             weights; off_policy/dropped).
         overlap: async_mode=overlap's settings (`OverlapConfig`).
+        partial: partial rollouts: one sequence written by several weight versions. Under async_mode=lagged (the
+            deterministic form, gspo_lab.rollout.sources.lagged) a row advances one version every `segment_tokens`
+            tokens, capped at the current one.
+        segment_tokens: under partial=true in lagged mode, the tokens a row generates with one version.
+        lag_spread: under async_mode=lagged, the versions a step's groups start from: "fixed" (every row from
+            max(t - k, 0)) or "uniform" (each group's drawn from max(t - k, 0)..t, seeded by the run's seed and
+            the step).
         rescore: a diagnostic: score the sampled tokens again with a second engine, whose log-probs then stand for
             the generating engine's (π_old under logprobs_from_generation=true; mismatch/*): null (none), "hf" (a
             forward of the engine rollout.engine.* describes), "vllm" (vLLM's prompt log-probs, rollout.vllm.*;
@@ -107,6 +115,9 @@ class RolloutConfig:
     async_mode: str = "lagged"
     stale_policy: str = "wait"
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    partial: bool = False
+    segment_tokens: int | None = None
+    lag_spread: str = "fixed"
     rescore: str | None = None
 
     def __post_init__(self) -> None:
@@ -130,6 +141,7 @@ class RolloutConfig:
             self.check_overlap()
         else:
             self.refuse_overlap_settings()
+        self.check_versions()
         _require(self.rescore is None or isinstance(self.rescore, str), "rollout.rescore", self.rescore,
                  "must be null or name a backend that scores (gspo_lab.rollout.backend.Scorer)")
         if self.logprobs_from_generation is None:  # what the backend can do (gspo_lab.rollout.backend), not its name
@@ -166,6 +178,29 @@ class RolloutConfig:
                  "from the weights k versions back and drops nothing (leave it at wait)")
         _require(self.overlap.queue_size is None, "rollout.overlap.queue_size", self.overlap.queue_size,
                  "applies under rollout.async_mode=overlap only; async_mode=lagged queues nothing (leave it null)")
+
+    def check_versions(self) -> None:
+        """rollout.partial, segment_tokens and lag_spread: which versions write a lagged step's tokens."""
+        _require(isinstance(self.partial, bool), "rollout.partial", self.partial, "must be true or false")
+        _require(not self.partial or self.max_staleness >= 1, "rollout.partial", self.partial,
+                 "a partial rollout's later tokens come from newer weights than its first: set rollout.max_staleness "
+                 ">= 1")
+        _require(not (self.partial and self.async_mode == "overlap"), "rollout.partial", self.partial,
+                 "with rollout.async_mode=overlap is not built yet (the engine process generates whole rollouts); "
+                 "use async_mode=lagged with rollout.segment_tokens")
+        segment = self.segment_tokens
+        if self.partial:
+            _require(isinstance(segment, int) and not isinstance(segment, bool) and segment >= 1,
+                     "rollout.segment_tokens", segment, "must be an integer >= 1 under rollout.partial=true in lagged "
+                     "mode: the tokens a row generates with one weight version")
+        else:
+            _require(segment is None, "rollout.segment_tokens", segment, "applies under rollout.partial=true only "
+                     "(leave it null)")
+        _require(self.lag_spread in LAG_SPREADS, "rollout.lag_spread", self.lag_spread,
+                 f"must be one of {list(LAG_SPREADS)}")
+        _require(self.lag_spread == "fixed" or (self.max_staleness >= 1 and self.async_mode == "lagged"),
+                 "rollout.lag_spread", self.lag_spread, "spreads the versions of async_mode=lagged: set "
+                 "rollout.max_staleness >= 1 with async_mode=lagged")
 
     def check_overlap(self) -> None:
         """What async_mode=overlap needs of the other rollout settings: a vLLM engine generating whole single-round

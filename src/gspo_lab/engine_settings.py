@@ -108,16 +108,19 @@ class VLLMConfig:
                      "must be true or false")
 
 
-# rollout.async_mode values: lagged (deterministic; gspo_lab.rollout.staleness), overlap (generation beside training in
-# an engine process of its own; gspo_lab.rollout.overlap)
+# rollout.async_mode values: lagged (deterministic; gspo_lab.rollout.sources.lagged), overlap (generation beside
+# training in an engine process of its own; gspo_lab.rollout.sources.overlap)
 ASYNC_MODES = ("lagged", "overlap")
+# rollout.lag_spread values, under async_mode=lagged: every group from the version k back, or each from one drawn
+# uniformly from the last k + 1
+LAG_SPREADS = ("fixed", "uniform")
 # rollout.stale_policy values, under async_mode=overlap: what happens to a rollout more than k versions old
 STALE_POLICIES = ("wait", "drop")
 
 
 @dataclass
 class OverlapConfig:
-    """rollout.async_mode=overlap's settings (gspo_lab.rollout.overlap): a vLLM engine in a process of its own
+    """rollout.async_mode=overlap's settings (gspo_lab.rollout.sources.overlap): a vLLM engine in a process of its own
     generates the next steps' rollouts while the trainer trains.
 
     Args:

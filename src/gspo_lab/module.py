@@ -36,15 +36,14 @@ from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import RewardFunction, TaskReward, WeightedRewards, gold_reward
 from gspo_lab.rewards.base import is_batched
 from gspo_lab.rollout import PromptSchedule, StepTicks
-from gspo_lab.rollout.backend import build_backend
+from gspo_lab.rollout.backend import Sampling, build_backend
 from gspo_lab.rollout.multi_turn import MultiTurn
 from gspo_lab.rollout.rescore import build_rescorer
-from gspo_lab.rollout.overlap import OverlapRollouts
-from gspo_lab.rollout.staleness import LaggedWeights
+from gspo_lab.rollout.sources import InProcess, StepRows, build_source
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.seeding import RL_SAMPLING, stream_seed
 from gspo_lab.sharding import is_sharded, refuse_non_finite, shard
-from gspo_lab.step.collector import RolloutCollector
+from gspo_lab.step.collector import Extras, RolloutCollector
 from gspo_lab.step.failures import NoSignal, RunStopped
 from gspo_lab.step.metrics import across_ranks, rank_spread, reward_counts_across_ranks
 from gspo_lab.step.policy import PolicyForwards, frozen_copy
@@ -113,17 +112,20 @@ class RLModule(L.LightningModule):
         self.rollout_cfg, self.train_cfg, self.seed = rollout, train, seed
         self.routing = RoutingReplay(model, routing.replay, diagnostics_rows=routing.diagnostics_rows)
         self.engine = build_backend(model, rollout)  # hf: the trainer's model itself unless configured
-        self.rescorer = build_rescorer(model, rollout, self.engine)  # rollout.rescore: a second engine scores, or None
-        # rollout.max_staleness > 0: the engine generates from weights that lag the trainer's (async_mode=lagged), or
-        # an engine process generates ahead of the trainer (overlap)
-        overlap = rollout.max_staleness > 0 and rollout.async_mode == "overlap"
-        self.lag = LaggedWeights(model, rollout.max_staleness) if rollout.max_staleness > 0 and not overlap else None
         self.render = (prompt or PromptFormat()).bind(tokenizer)
-        prompts = PromptSchedule(task, rollout.prompts_per_step, seed)
-        self.overlap = OverlapRollouts(model, rollout, prompts, self.render, tokenizer, seed) if overlap else None
+        rows = StepRows(PromptSchedule(task, rollout.prompts_per_step, seed), self.render, tokenizer,
+                        rollout.group_size)
         # tools and environments of a multi-turn task run in these workers (started on first use)
         self.tool_runner = ToolRunner(rollout.tool_workers, rollout.tool_timeout_s)
         agent_of = MultiTurn.factory(rollout, self.tool_runner, tokenizer, self.render.format.chat_template_kwargs)
+        agent = agent_of(task)
+        # where the rollouts come from (gspo_lab.rollout.sources): the engine synced to the trainer's weights, to
+        # weights that lag them (async_mode=lagged), or an engine process generating ahead (overlap);
+        # rollout.rescore's second engine scores the samples beside the engine
+        in_process = InProcess(self.engine, rows, Sampling.of_rollout(rollout, self.render.add_special_tokens),
+                               rollout.generation_batch_size, self.routing, agent,
+                               build_rescorer(model, rollout, self.engine))
+        self.source = build_source(model, rollout, in_process, rows, seed)
         self.evaluation = evaluation or EvalPlan(EvalSettings(), [SetSpec(HELDOUT, task, prompt or PromptFormat(),
                                                                           None, None)])
         self.evaluator = self.evaluation.evaluator(tokenizer, rollout.max_new_tokens, rollout.stop_token_ids, seed,
@@ -133,10 +135,10 @@ class RLModule(L.LightningModule):
         # the step's parts (gspo_lab.step)
         self.policy = PolicyForwards(model, self.reference, lora, self.routing, rollout, train)
         self.probe = MismatchProbe(self.routing, self.policy, train.minibatches, routing.diagnostics_every)
-        self.collector = RolloutCollector(self.engine, self.policy, self.probe, self.routing, prompts, self.render,
-                                          tokenizer, self.rewards, advantage, rollout, train.shuffle_rewards,
-                                          kl_penalty, agent_of(task), self.lag, self.rescorer, self.overlap,
-                                          gold_reward(task, self.rewards) if learned else None, kl_to_initial)
+        extras = Extras(train.shuffle_rewards, kl_penalty, kl_to_initial,
+                        gold_reward(task, self.rewards) if learned else None)
+        self.collector = RolloutCollector(self.source, rows, self.policy, self.probe, self.rewards, advantage,
+                                          rollout, extras, agent)
         self.updater = Updater(model, objective, self.policy, self.routing, self.probe, train,
                                backward=self.manual_backward, save_last=self.save_last_checkpoint)
 
@@ -177,8 +179,7 @@ class RLModule(L.LightningModule):
         checkpoint["rl_step"] = self.rl_step
         checkpoint["history"] = self.history
         checkpoint.update(self.updater.state_dict())  # consecutive_skips, entropy_control
-        if self.lag is not None:  # the weight versions a resumed run still generates from
-            checkpoint["lagged_weights"] = self.lag.state_dict()
+        checkpoint.update(self.source.state_dict())  # lagged: the weight versions a resumed run still generates from
         # running counts of reward errors and timeouts, all ranks' (collective: every rank saves)
         checkpoint["rewards"] = reward_counts_across_ranks(self.rewards, self.trainer.strategy,
                                                            self.trainer.world_size, self.device)
@@ -192,8 +193,7 @@ class RLModule(L.LightningModule):
         self.rl_step = checkpoint["rl_step"]
         self.history = [row for row in checkpoint["history"] if row["step"] < self.rl_step]
         self.updater.load_state_dict(checkpoint)
-        if self.lag is not None:
-            self.lag.load_state_dict(checkpoint.get("lagged_weights", {}))
+        self.source.load_state_dict(checkpoint)
         counts = checkpoint if self.global_rank == 0 else {}  # all ranks' together: rank 0 carries them on
         if "rewards" in counts:
             self.rewards.load_state_dict(counts["rewards"])
@@ -209,10 +209,7 @@ class RLModule(L.LightningModule):
         self.rewards.close()
         self.evaluation.close()
         self.engine.close()
-        if self.rescorer is not None:
-            self.rescorer.close()
-        if self.overlap is not None:
-            self.overlap.close()
+        self.source.close()  # rollout.rescore's engine, the overlap engine process
         self.tool_runner.close()
 
     # ---- one RL step --------------------------------------------------------------------------------------
@@ -272,7 +269,7 @@ class RLModule(L.LightningModule):
         cuda = [self.device] if self.device.type == "cuda" else []
         # under async_mode=overlap the engine process holds stale weights and works for the RL step: evaluation runs
         # transformers on the trainer's weights (eval/engine_vllm 0)
-        engine = self.engine if self.overlap is None else None
+        engine = self.engine if self.source.in_process else None
         backend, generated_by = evaluation_backend(engine, self.model, self.evaluator.settings.engine)
         with torch.random.fork_rng(devices=cuda):
             metrics, rows = self.evaluator.run(

@@ -85,6 +85,7 @@ def plan(cfg: DictConfig) -> Plan:
         if parts["train"].micro_batch_size is not None:
             check_splittable(parts["objective"])
         check_multi_turn(parts["task"], parts["rollout"])
+        check_versions(parts["rollout"], parts["routing"])
         check_answers(parts["task"], cfg, model_source, parts["train"], parts["evaluation"])
         if parts["routing"].replay != "off":  # raises for a dense or unsupported MoE
             find_routers(model_source.skeleton(), f"routing.replay={parts['routing'].replay}")
@@ -129,10 +130,27 @@ def check_optimizer(optimizer, settings: DictConfig) -> None:
 
 def check_multi_turn(task, rollout) -> None:
     """A task with tools or an environment (multi-turn, gspo_lab.rollout.multi_turn) in a synchronous or lagged
-    rollout (the backend's own part: gspo_lab.rollout.backend.check_capabilities)."""
-    if task.toolset is not None and rollout.async_mode == "overlap":
+    rollout whose rows each come from one version (the backend's own part: gspo_lab.rollout.backend.
+    check_capabilities)."""
+    if task.toolset is None:
+        return
+    if rollout.async_mode == "overlap":
         raise ValueError("rollout.async_mode=overlap with task.tools or task.environment: the multi-turn loop runs the "
                          "tools in the trainer's process between the engine's turns; use async_mode=lagged")
+    for key, value, default in (("partial", rollout.partial, False), ("lag_spread", rollout.lag_spread, "fixed")):
+        if value != default:
+            raise ValueError(f"rollout.{key}={value!r} with task.tools or task.environment is not built yet: the "
+                             "multi-turn loop generates a step's rows together, from one weight version; leave "
+                             f"rollout.{key}={default!r}")
+
+
+def check_versions(rollout, routing) -> None:
+    """rollout.partial and lag_spread=uniform generate a row's segments, or a step's groups, in calls of their own:
+    the engine's experts of those calls are not stitched into one trace, so r3 has none to replay."""
+    if routing.replay == "r3" and (rollout.partial or rollout.lag_spread != "fixed"):
+        raise ValueError(f"routing.replay=r3 with rollout.partial={rollout.partial} and rollout.lag_spread="
+                         f"{rollout.lag_spread!r}: the engine's experts of a row's several calls are not stitched into "
+                         "one trace yet; use routing.replay=r2 (the trainer's own experts under π_old)")
 
 
 def check_answers(task, cfg: DictConfig, model_source, train, evaluation) -> None:
@@ -156,7 +174,7 @@ def check_answers(task, cfg: DictConfig, model_source, train, evaluation) -> Non
 
 def check_overlap(rollout, routing, device: str, world_size: int) -> None:
     """rollout.async_mode=overlap as built: one trainer process on CPU beside one engine process, each on cores of
-    its own (gspo_lab.rollout.overlap; the multi-GPU design is in docs/concepts/staleness.md, not built), which
+    its own (gspo_lab.rollout.sources.overlap; the multi-GPU design is in docs/concepts/staleness.md, not built), which
     returns no experts and takes whole weight versions, never adapters."""
     if routing.replay == "r3":
         raise ValueError("routing.replay=r3 with rollout.async_mode=overlap: the engine process returns no experts yet "
@@ -170,7 +188,7 @@ def check_overlap(rollout, routing, device: str, world_size: int) -> None:
         raise ValueError(f"rollout.async_mode=overlap runs one trainer process on CPU beside its engine process (here: "
                          f"{world_size} process(es) on {device}); the design for engine ranks on GPUs of their own is in "
                          "docs/concepts/staleness.md, not built. Use async_mode=lagged")
-    from gspo_lab.rollout.overlap import split_cores
+    from gspo_lab.rollout.sources.overlap import split_cores
 
     split_cores(rollout.overlap.engine_cores)
 

@@ -1,4 +1,4 @@
-"""rollout.async_mode=overlap: a vLLM engine process generates ahead of the trainer (gspo_lab.rollout.overlap,
+"""rollout.async_mode=overlap: a vLLM engine process generates ahead of the trainer (gspo_lab.rollout.sources.overlap,
 gspo_lab.rollout.vllm.process). On vLLM's CPU build (make test-vllm): no trained row is more than k versions old,
 under wait and under drop, the engine's log-probs are those of the version each row records, a resumed run goes
 on, and the engine process ends with the run. Everywhere: the weight buffer's layout, the core split and the
@@ -16,7 +16,7 @@ import torch
 
 from gspo_lab.config import OverlapConfig, RolloutConfig
 from gspo_lab.rollout import token_logprobs
-from gspo_lab.rollout.overlap import split_cores
+from gspo_lab.rollout.sources.overlap import split_cores
 from gspo_lab.rollout.vllm.process import ALIGN, Layout
 from gspo_lab.train import ConfigError, build, plan
 

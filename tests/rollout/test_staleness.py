@@ -1,4 +1,4 @@
-"""Bounded staleness, rollout.async_mode=lagged (gspo_lab.rollout.staleness): at RL step t the engine generates from
+"""Bounded staleness, rollout.async_mode=lagged (gspo_lab.rollout.sources.lagged): at RL step t the engine generates from
 weight version max(t - k, 0), each row records it, the run repeats exactly and resumes exactly, and k = 0 leaves
 the synchronous step as it was."""
 
@@ -11,7 +11,7 @@ import torch
 
 from gspo_lab.rollout import token_logprobs
 from gspo_lab.rollout.engine import RolloutEngine
-from gspo_lab.rollout.staleness import LaggedWeights
+from gspo_lab.rollout.sources.lagged import LaggedWeights
 from gspo_lab.train import ConfigError, build, plan
 
 TIMING = ("time/", "throughput/")
@@ -72,7 +72,10 @@ def test_lagged_rollouts_come_from_the_lagged_weights_and_repeat_exactly(compose
     lagged, starting = fit(compose, fast_rl, tmp_path / "lagged", "rollout.max_staleness=1", *steps)
     assert [row["off_policy/staleness_mean"] for row in lagged.history] == [0, 1, 1]
     assert [row["off_policy/staleness_max"] for row in lagged.history] == [0, 1, 1]
-    assert [batch.versions.tolist() for batch in updated_batches] == [[0] * 16, [0] * 16, [1] * 16]
+    # every completion token records the version that wrote it
+    assert [batch.versions.unique().tolist() for batch in updated_batches] == [[0], [0], [1]]
+    assert [batch.versions.shape for batch in updated_batches] == [batch.loss_mask.shape for batch in updated_batches]
+    assert [row["off_policy/mixed_frac"] for row in lagged.history] == [0, 0, 0]
     # step 1 was sampled by version 0, the starting weights, though the trainer had taken a step since: the engine's
     # log-probs are version 0's (to the rounding of generate against a forward), π_old too (bypass)
     batch = updated_batches[1]

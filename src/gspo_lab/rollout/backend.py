@@ -177,6 +177,8 @@ def check_capabilities(backend: type, run: RunSettings, multi_turn: bool) -> Non
     wants = [
         (multi_turn, "continues_from_token_ids", "task.tools / task.environment",
          "a multi-turn rollout continues each row from its token ids after a tool result"),
+        (rollout.partial, "continues_from_token_ids", "rollout.partial=true",
+         "a partial rollout continues each row from its token ids under the next weight version"),
         (rollout.max_staleness > 0, "samples_synced_weights", f"rollout.max_staleness={rollout.max_staleness}",
          "a stale rollout hands the lagged weights to the backend through its sync(), so it must sample the weights "
          "of its last sync, not the trainer's model as it is when it generates (else its rows would be the current "

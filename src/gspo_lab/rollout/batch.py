@@ -29,7 +29,7 @@ class RolloutBatch:
     # [B, C] multi-turn: t >= 1 on the model's tokens of its turn t, 0 on the tools' and padding; None: one turn.
     # loss_mask is then 1 on the model's tokens only; attention_mask covers the tools' too (they are context)
     turns: Tensor | None = None
-    # [B] int64, the weight version that generated each row (rollout.max_staleness > 0; gspo_lab.rollout.staleness)
+    # [B] int64, the weight version that generated each row (rollout.max_staleness > 0; gspo_lab.rollout.sources.lagged)
     versions: Tensor | None = None
 
     @property

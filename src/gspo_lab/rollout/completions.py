@@ -32,6 +32,9 @@ class Completions:
     # tokens and padding; None: one turn, every completion token the model's
     turns: Tensor | None = None
     messages: list[list[dict]] | None = None  # multi-turn: each row's assistant and tool messages, in order
+    # [N, C] int64, the weight version that wrote each completion token (a stale source's; gspo_lab.rollout.sources),
+    # or None: every token the current step's
+    versions: Tensor | None = None
 
     @property
     def policy_mask(self) -> Tensor:
@@ -65,6 +68,7 @@ class Completions:
             logprobs=None if self.logprobs is None else pad(self.logprobs, (0, right), value=0.0),
             turns=None if self.turns is None else pad(self.turns, (0, right), value=0),
             messages=self.messages,
+            versions=None if self.versions is None else pad(self.versions, (0, right), value=0),
         )
 
     @staticmethod
@@ -78,7 +82,7 @@ class Completions:
                 values[f.name] = torch.cat(column)
             elif isinstance(column[0], list):
                 values[f.name] = [item for part in column for item in part]
-            else:  # logprobs, turns or messages absent from every part
+            else:  # logprobs, turns, messages or versions absent from every part
                 values[f.name] = None
         return Completions(**values)
 
@@ -114,6 +118,26 @@ def cut_at_stop(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, completion_i
     truncated = ~is_eos.any(-1)
     texts = tokenizer.batch_decode(completion_ids.masked_fill(is_eos, tokenizer.pad_token_id), skip_special_tokens=True)
     return Completions(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, logprobs)
+
+
+def from_token_lists(tokenizer, prompt_ids: list[list[int]], tokens: list[list[int]],
+                     logprobs: list[list[float]] | None, stop: list[int]) -> Completions:
+    """Sampled rows as `Completions`: prompts left-padded, completions right-padded to the longest, each cut after
+    its first stop token, with the log-prob of each sampled token (0 on padding) where given."""
+    pad = tokenizer.pad_token_id
+    width = max(len(ids) for ids in prompt_ids)
+    prompts = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])  # [N, P]
+    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
+    length = max(1, max(len(ids) for ids in tokens))
+    completion = torch.full((len(tokens), length), pad, dtype=torch.long)  # [N, C]
+    values = torch.zeros(len(tokens), length)
+    for row, ids in enumerate(tokens):
+        completion[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        if logprobs is not None:
+            values[row, : len(ids)] = torch.tensor(logprobs[row])
+    generated = torch.tensor([[1] * len(ids) + [0] * (length - len(ids)) for ids in tokens]).bool()
+    return cut_at_stop(tokenizer, prompts, prompt_mask, completion, stop, values if logprobs is not None else None,
+                       generated)
 
 
 @dataclass

@@ -70,15 +70,3 @@ def build_rescorer(model: torch.nn.Module, rollout: RolloutConfig, backend: Roll
     return Rescorer(build_backend(model, replace(rollout, backend=rollout.rescore)), own=True,
                     temperature=rollout.temperature)
 
-
-class SyncedTogether:
-    """The generating backend and the rescoring engine as one `sync` (gspo_lab.rollout.staleness hands a lagged
-    version of the weights to whatever it syncs)."""
-
-    def __init__(self, backend: RolloutBackend, rescorer: Rescorer | None) -> None:
-        self.backend, self.rescorer = backend, rescorer
-
-    def sync(self) -> None:
-        self.backend.sync()
-        if self.rescorer is not None:
-            self.rescorer.sync()

@@ -1,10 +1,8 @@
 """The rollout half of an RL step, `RolloutCollector.collect`: this rank's prompts, `group_size` completions each from
-the rollout backend, rewards (and DAPO's further rounds of prompts), advantages, the mismatch probe's own forward,
+the rollout source, rewards (and DAPO's further rounds of prompts), advantages, the mismatch probe's own forward,
 the old-policy and reference log-probs: a `Rollout`, the batch the updates train on and the rollout's metrics.
-Under rollout.max_staleness = k > 0 the backend generates from lagged weights (gspo_lab.rollout.staleness), or an
-engine process generates ahead of the trainer (async_mode=overlap, gspo_lab.rollout.overlap), and every row records
-its weight version; under rollout.rescore a second engine's scores of the samples replace the
-engine's log-probs (gspo_lab.rollout.rescore).
+Where the completions come from is the source's (gspo_lab.rollout.sources: synchronous, lagged, overlap); a stale
+source marks each completion token with the weight version that wrote it (off_policy/*).
 """
 
 from __future__ import annotations
@@ -17,18 +15,12 @@ import torch
 from gspo_lab.config import RolloutConfig
 from gspo_lab.objectives import AdvantageEstimator
 from gspo_lab.objectives.advantages import scored_advantages
-from gspo_lab.prompts import PromptFormat
 from gspo_lab.rewards import Scores, WeightedRewards
-from gspo_lab.rollout import PromptSchedule, RolloutBatch
-from gspo_lab.rollout.backend import RolloutBackend, Sampling
+from gspo_lab.rollout import RolloutBatch
 from gspo_lab.rollout.completions import Completions, Generated, reward_inputs
-from gspo_lab.rollout.multi_turn import MultiTurn, generate_rows
-from gspo_lab.rollout.overlap import OverlapRollouts
+from gspo_lab.rollout.multi_turn import MultiTurn
 from gspo_lab.rollout.dynamic_sampling import SampledRound, informative_count, merge_rounds
-from gspo_lab.rollout.sampling import draw_row_seeds
-from gspo_lab.rollout.rescore import Rescorer, SyncedTogether
-from gspo_lab.rollout.staleness import LaggedWeights
-from gspo_lab.routing import RoutingReplay
+from gspo_lab.rollout.sources import RolloutSource, StepRows, version_metrics
 from gspo_lab.step.failures import failure_reasons, stop_without_signal
 from gspo_lab.step.metrics import add_round
 from gspo_lab.step.policy import PolicyForwards
@@ -39,39 +31,40 @@ from gspo_lab.tensors import frac_zero_std
 
 
 @dataclass
+class Extras:
+    """What the step adds to the rollout beside the task's reward: the negative control of train.shuffle_rewards,
+    the KL penalty's reference log-probs (objective.beta > 0), kl/to_initial, and a verifier's reward/gold beside a
+    learned reward (its WeightedRewards, or None)."""
+
+    shuffle_rewards: bool = False
+    kl_penalty: bool = False
+    kl_to_initial: bool = False
+    gold: WeightedRewards | None = None
+
+
+@dataclass
 class Rollout:
     batch: RolloutBatch  # what the updates train on, on the policy's device
     metrics: dict[str, float]  # reward/*, completion/*, rollout/*, mismatch/* where measured, time/*
 
 
 class RolloutCollector:
-    """Collects each RL step's rollout batch from the `backend`, scored by `rewards`, with advantages from
-    `advantage`, π_old and the reference's log-probs from `policy`."""
+    """Collects each RL step's rollout batch, the rows `rows` names, from `source`, scored by `rewards`, with
+    advantages from `advantage`, π_old and the reference's log-probs from `policy`; `agent`: the multi-turn loop
+    of a task with tools (gspo_lab.rollout.multi_turn), whose counts and environments the scores read, or None."""
 
-    def __init__(self, backend: RolloutBackend, policy: PolicyForwards, probe: MismatchProbe,
-                 routing: RoutingReplay, prompts: PromptSchedule, render: PromptFormat, tokenizer,
-                 rewards: WeightedRewards, advantage: AdvantageEstimator, rollout: RolloutConfig,
-                 shuffle_rewards: bool, kl_penalty: bool, agent: MultiTurn | None = None,
-                 lag: LaggedWeights | None = None, rescorer: Rescorer | None = None,
-                 overlap: OverlapRollouts | None = None, gold: WeightedRewards | None = None,
-                 kl_to_initial: bool = False) -> None:
-        self.backend, self.policy, self.probe, self.routing = backend, policy, probe, routing
-        self.prompts, self.render, self.tokenizer = prompts, render, tokenizer
+    def __init__(self, source: RolloutSource, rows: StepRows, policy: PolicyForwards, probe: MismatchProbe,
+                 rewards: WeightedRewards, advantage: AdvantageEstimator, rollout: RolloutConfig, extras: Extras,
+                 agent: MultiTurn | None = None) -> None:
+        self.source, self.rows, self.policy, self.probe = source, rows, policy, probe
         self.rewards, self.advantage, self.rollout_cfg = rewards, advantage, rollout
-        self.shuffle_rewards, self.kl_penalty = shuffle_rewards, kl_penalty
-        self.agent = agent  # the multi-turn loop of a task with tools (gspo_lab.rollout.multi_turn), or None
-        self.lag = lag  # the lagged weight versions under rollout.max_staleness > 0, or None
-        self.rescorer = rescorer  # rollout.rescore: a second engine's scores replace the engine's log-probs, or None
-        self.overlap = overlap  # async_mode=overlap: the engine process generating ahead, or None
-        self.version: int | None = None  # the weight version of the last rollout (stale rollouts only)
-        self.gold = gold  # the task's checker beside a learned reward (reward/gold), or None
-        self.kl_to_initial = kl_to_initial  # log kl/to_initial (the reference policy is the initial one)
+        self.extras, self.agent = extras, agent
 
     def preflight(self) -> None:
         """Build and reset the task's environment on the first training prompt in a tool worker, before anything
         trains (gspo_lab.rollout.multi_turn.MultiTurn.preflight): a ValueError where reset() fails."""
         if self.agent is not None:
-            self.agent.preflight(self.prompts.for_step(0, 0, 1, 0)[0])
+            self.agent.preflight(self.rows.first())
 
     def collect(self, step: int, ranks: Ranks) -> Rollout:
         """This rank's rollout batch for RL step `step`, and its metrics."""
@@ -86,9 +79,8 @@ class RolloutCollector:
             trained = sample_metrics(sampled.scored_rewards, sampled.completions, cfg.group_size)
             metrics.update({f"trained/{key}": value for key, value in trained.items()})
         batch = self.batch(sampled, ranks.device)
-        if self.version is not None:
-            batch.versions = torch.full((len(batch.rewards),), self.version, device=ranks.device)
-            metrics.update(staleness_metrics(batch.versions, step, cfg.max_staleness))
+        if batch.versions is not None:
+            metrics.update(version_metrics(batch.versions, batch.policy_mask, step, cfg.max_staleness))
         metrics.update(self.probe.own_forward(batch, step))
         started = time.perf_counter()
         if batch.old_logp is None:
@@ -97,13 +89,14 @@ class RolloutCollector:
                 metrics["mismatch/pi_old_kl"] = mismatch_metrics(batch.old_logp, batch.rollout_logp,
                                                                  batch.policy_mask)["mismatch/kl"]
         metrics["time/old_logprobs_s"] = time.perf_counter() - started
-        if self.kl_penalty or self.kl_to_initial:
+        extras = self.extras
+        if extras.kl_penalty or extras.kl_to_initial:
             started = time.perf_counter()
             ref_logp = self.policy.reference_logprobs(batch)  # [B, C]
             metrics["time/ref_logprobs_s"] = time.perf_counter() - started
-            if self.kl_penalty:
+            if extras.kl_penalty:
                 batch.ref_logp = ref_logp
-            if self.kl_to_initial:
+            if extras.kl_to_initial:
                 behave = batch.rollout_logp if batch.rollout_logp is not None else batch.old_logp  # the sampler's
                 metrics["kl/to_initial"] = sequence_kl(behave, ref_logp, batch.policy_mask).item()
         metrics["rollout/completions"] = float(len(batch.rewards))  # this rank's; the mean over ranks is logged
@@ -139,16 +132,15 @@ class RolloutCollector:
             rollout_logp=completions.logprobs,
             rollout_trace=rollout_trace,
             turns=completions.turns,
+            versions=completions.versions,
         ).to(device)
 
     def sample_round(self, step: int, sampling_round: int, ranks: Ranks) -> tuple[SampledRound, dict[str, float]]:
         """One round of this rank's share of the step's prompts, `group_size` completions each, scored; its
         timings, and the reward functions' metrics (reward/<name>/* of round 0, the running error counts of
         every round)."""
-        cfg = self.rollout_cfg
-        examples = self.prompts.for_step(step, ranks.rank, ranks.world, sampling_round)
-        grouped = [example for example in examples for _ in range(cfg.group_size)]  # groups contiguous
-        generated, metrics = self.sample(grouped, step)
+        grouped = self.rows.examples(step, ranks.rank, ranks.world, sampling_round)  # groups contiguous
+        generated, metrics = self.source.generated(step, grouped)
         scores = self.score(step, grouped, generated)
         first_errors = self.agent.first_errors if self.agent is not None else {}
         stop_without_signal(failure_reasons(scores, generated, self.rewards.failure_stop_frac, first_errors,
@@ -156,14 +148,14 @@ class RolloutCollector:
         metrics.update({k: v for k, v in scores.metrics.items()
                         if sampling_round == 0 or k.endswith(("errors", "timeouts"))})
         rewards, applies, components = scores.total, scores.applies, scores.components
-        if self.gold is not None and sampling_round == 0:  # the verifier's reward, which does not train
-            gold = self.gold.score(*reward_inputs(grouped, generated.completions, generated.extra)).total
+        if self.extras.gold is not None and sampling_round == 0:  # the verifier's reward, which does not train
+            gold = self.extras.gold.score(*reward_inputs(grouped, generated.completions, generated.extra)).total
             metrics["reward/gold"] = gold.mean().item()
         if "lost" in generated.extra:  # a tool worker died with the row's environment: the row is not trained on
             applies = applies & (generated.extra["lost"] == 0)
             if sampling_round == 0:
                 metrics.update(tool_metrics(generated))
-        if self.shuffle_rewards:  # negative control (train.shuffle_rewards): rewards no longer fit their completions
+        if self.extras.shuffle_rewards:  # negative control (train.shuffle_rewards): rewards no longer fit completions
             order = torch.randperm(len(rewards))
             rewards, applies, components = rewards[order], applies[order], components[order]
         return SampledRound(grouped, generated.completions, rewards, applies, components,
@@ -183,43 +175,12 @@ class RolloutCollector:
             sampled, more = self.sample_round(step, len(rounds), ranks)
             rounds.append(sampled)
             add_round(metrics, more)
-        merged, unfilled = merge_rounds(rounds, cfg.group_size, needed, self.tokenizer.pad_token_id)
+        merged, unfilled = merge_rounds(rounds, cfg.group_size, needed, self.rows.tokenizer.pad_token_id)
         sampled = torch.cat([r.scored_rewards for r in rounds])
         metrics["rollout/sampling_rounds"] = float(len(rounds))
         metrics["rollout/unfilled_groups"] = float(unfilled)
         metrics["rollout/frac_zero_std_sampled"] = frac_zero_std(sampled, cfg.group_size).item()
         return merged, metrics
-
-    def sample(self, examples: list[Example], step: int) -> tuple[Generated, dict[str, float]]:
-        """Completions of `examples` for RL step `step` from the rollout backend, its weights first refreshed from
-        the trainer's current ones (under rollout.max_staleness > 0, the lagged version's), in `generate` calls
-        of rollout.generation_batch_size rows (through the multi-turn loop for a task with tools), and the time
-        each took; the engine's own log-probs of the sampled tokens are always kept, and its experts when routing
-        records them. Each row samples from its own stream, its seed drawn here for all rows at once, so the
-        samples do not depend on the batch size (unless the engine draws router noise, which it does per call).
-        Under async_mode=overlap: the rollout the engine process generated for the step (the same prompts)."""
-        cfg = self.rollout_cfg
-        if self.overlap is not None:
-            generated, self.version, metrics = self.overlap.generated(step)
-            return generated, metrics
-        started = time.perf_counter()
-        engines = SyncedTogether(self.backend, self.rescorer)
-        metrics = {}
-        if self.lag is None:
-            engines.sync()
-        else:
-            self.version = self.lag.sync(engines, step)
-            metrics = {"off_policy/dropped": 0.0, "time/wait_s": 0.0}  # lagged: nothing dropped, nothing waited for
-        synced = time.perf_counter()
-        seeds = draw_row_seeds(len(examples))  # [N]
-        sampling = Sampling.of_rollout(cfg, self.render.add_special_tokens)
-        generated = generate_rows(self.backend, self.tokenizer, self.render, examples, sampling, seeds,
-                                  cfg.generation_batch_size, self.routing, self.agent)
-        metrics.update({"time/engine_sync_s": synced - started, "time/generate_s": time.perf_counter() - synced})
-        if self.rescorer is not None:
-            generated, scored = self.rescorer.rescored(self.tokenizer, generated)
-            metrics.update(scored)
-        return generated, metrics
 
     def score(self, step: int, examples: list[Example], generated: Generated) -> Scores:
         """The reward functions' scores of this round's completions (gspo_lab.rewards): each function gets the
@@ -263,17 +224,6 @@ def sequence_kl(behave_logp: torch.Tensor, initial_logp: torch.Tensor, mask: tor
     delta = ((initial_logp - behave_logp) * mask).double()  # [B, C], 0 off the model's tokens
     # expm1 keeps δ²/2 where δ is tiny; the clamp takes off what rounding leaves below 0 (k3 >= 0 exactly)
     return ((torch.expm1(delta) - delta).clamp(min=0) * mask).sum(-1).mean().to(behave_logp.dtype)
-
-
-def staleness_metrics(versions: torch.Tensor, step: int, max_staleness: int) -> dict[str, float]:
-    """off_policy/staleness_mean and _max: how many versions each row's weights lag step `step`'s (versions [B]).
-    A row older than `max_staleness` is a bug, never trained on: RuntimeError."""
-    staleness = step - versions  # [B]
-    oldest = int(staleness.max())
-    if oldest > max_staleness:
-        raise RuntimeError(f"RL step {step}: a row {oldest} weight versions old reached the trainer; "
-                           f"rollout.max_staleness={max_staleness}")
-    return {"off_policy/staleness_mean": staleness.float().mean().item(), "off_policy/staleness_max": float(oldest)}
 
 
 def tool_metrics(generated: Generated) -> dict[str, float]:

@@ -10,7 +10,6 @@ import tempfile
 import torch
 
 from gspo_lab.rollout.backend import Sampling
-from gspo_lab.rollout.completions import Completions, cut_at_stop
 from gspo_lab.routing.adapters import EXPERT_COUNT_KEYS
 
 
@@ -58,7 +57,7 @@ def engine_arguments(folder: str, dtype: str, device_type: str, config, lora_ran
 
 def sampling_params(sampling: Sampling, seeds: list[int | None], stop: list[int]) -> list:
     """vLLM's `SamplingParams` of each row: `sampling`, row n's seed (None: greedy), cut at the `stop` ids after
-    the fact (`assemble`), so vLLM itself ignores EOS."""
+    the fact (`gspo_lab.rollout.completions.from_token_lists`), so vLLM itself ignores EOS."""
     from vllm import SamplingParams
 
     return [SamplingParams(n=1, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=sampling.top_p,
@@ -77,21 +76,3 @@ def sampled_lists(outputs: list, logprobs: bool) -> tuple[list[list[int]], list[
                     for sample, ids in zip(samples, tokens)]
 
 
-def assemble(tokenizer, prompt_ids: list[list[int]], tokens: list[list[int]], logprobs: list[list[float]] | None,
-             stop: list[int]) -> Completions:
-    """Sampled rows as `Completions`: prompts left-padded, completions right-padded to the longest, each cut after
-    its first stop token, with the log-prob of each sampled token (0 on padding) where given."""
-    pad = tokenizer.pad_token_id
-    width = max(len(ids) for ids in prompt_ids)
-    prompts = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])  # [N, P]
-    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
-    length = max(1, max(len(ids) for ids in tokens))
-    completion = torch.full((len(tokens), length), pad, dtype=torch.long)  # [N, C]
-    values = torch.zeros(len(tokens), length)
-    for row, ids in enumerate(tokens):
-        completion[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        if logprobs is not None:
-            values[row, : len(ids)] = torch.tensor(logprobs[row])
-    generated = torch.tensor([[1] * len(ids) + [0] * (length - len(ids)) for ids in tokens]).bool()
-    return cut_at_stop(tokenizer, prompts, prompt_mask, completion, stop, values if logprobs is not None else None,
-                       generated)

@@ -38,11 +38,10 @@ from torch import Tensor
 
 from gspo_lab.config import RolloutConfig
 from gspo_lab.rollout.backend import RunSettings, Sampling
-from gspo_lab.rollout.completions import Completions, Generated, stop_ids
+from gspo_lab.rollout.completions import Completions, Generated, from_token_lists, stop_ids
 from gspo_lab.rollout.sampling import draw_row_seeds
 from gspo_lab.rollout.vllm import experts
 from gspo_lab.rollout.vllm.calls import (
-    assemble,
     engine_arguments,
     expert_count,
     sampled_lists,
@@ -292,7 +291,7 @@ class VLLMEngine:
                                         sampling_params(sampling, seeds, stop), use_tqdm=False,
                                         lora_request=self.adapter)
         tokens, logprobs = sampled_lists(outputs, sampling.logprobs)
-        completions = assemble(tokenizer, encoded, tokens, logprobs, stop)
+        completions = from_token_lists(tokenizer, encoded, tokens, logprobs, stop)
         routed = self.routed_experts(outputs, encoded, tokens)
         if routing is None or not routing.moe:
             return Generated(completions)

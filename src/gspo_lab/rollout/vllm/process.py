@@ -1,5 +1,5 @@
 """rollout.async_mode=overlap's engine: vLLM in a process of its own, on CPU cores of its own, generating while the
-trainer trains (gspo_lab.rollout.overlap decides what it generates and when).
+trainer trains (gspo_lab.rollout.sources.overlap decides what it generates and when).
 
 The trainer process starts it (`EngineProcess.start`) and stops it with itself (`close`). Two channels join them:
 
@@ -16,7 +16,7 @@ The trainer process starts it (`EngineProcess.start`) and stops it with itself (
 
 The engine applies every version that has arrived before it starts a rollout, generates the earliest step's pending
 rollout first, and starts one only once it holds a version at least the rollout's `min_version`
-(gspo_lab.rollout.overlap sets it from rollout.stale_policy). It
+(gspo_lab.rollout.sources.overlap sets it from rollout.stale_policy). It
 ignores SIGINT and SIGTERM (the trainer stops it after its checkpoint) and exits when the trainer process is
 gone. On a GPU the same design would take NCCL for the weights and a device of its own; that is not built
 (docs/concepts/staleness.md).

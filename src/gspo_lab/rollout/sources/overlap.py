@@ -40,11 +40,11 @@ import time
 import torch
 
 from gspo_lab.config import RolloutConfig
-from gspo_lab.rollout import PromptSchedule
 from gspo_lab.rollout.backend import Sampling
-from gspo_lab.rollout.completions import Generated, stop_ids
+from gspo_lab.rollout.completions import Generated, from_token_lists, stop_ids
+from gspo_lab.rollout.sources.base import StepRows
 from gspo_lab.rollout.vllm.process import EngineProcess, Request, Result
-from gspo_lab.seeding import stream_seed
+from gspo_lab.tasks.base import Example
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +94,13 @@ def pin_process(cores: set[int]) -> None:
             pass
 
 
-class OverlapRollouts:
+class OverlapSource:
     """The trainer's side of overlap: which rollouts the engine process generates, and each step's from it."""
 
-    def __init__(self, model: torch.nn.Module, rollout: RolloutConfig, prompts: PromptSchedule, render, tokenizer,
-                 seed: int) -> None:
-        self.model, self.rollout, self.prompts, self.render, self.tokenizer = model, rollout, prompts, render, tokenizer
-        self.seed, self.k = seed, rollout.max_staleness
+    in_process = False  # the engine process holds stale weights and works for the RL step
+
+    def __init__(self, model: torch.nn.Module, rollout: RolloutConfig, rows: StepRows, seed: int) -> None:
+        self.model, self.rollout, self.rows, self.seed, self.k = model, rollout, rows, seed, rollout.max_staleness
         self.queue_size = rollout.overlap.queue_size or self.k
         self.engine_cores, self.trainer_cores = split_cores(rollout.overlap.engine_cores)
         self.engine = EngineProcess(model, rollout, self.engine_cores)
@@ -131,9 +131,9 @@ class OverlapRollouts:
             self.restore = None
         self.started = False
 
-    def generated(self, step: int) -> tuple[Generated, int, dict[str, float]]:
-        """Step `step`'s completions (groups contiguous, as the prompt schedule gives them), the weight version that
-        generated them, and off_policy/* and time/* metrics."""
+    def generated(self, step: int, examples: list[Example]) -> tuple[Generated, dict[str, float]]:
+        """Step `step`'s completions of `examples` (the step's rows from `rows`, which the engine took ahead of the
+        step), each token marked with the weight version that generated it, and off_policy/* and time/* metrics."""
         pushed = time.perf_counter()
         if not self.started:
             self.start()
@@ -149,7 +149,7 @@ class OverlapRollouts:
             request, result = self.take(step)
         metrics.update(self.timing(result))
         metrics["off_policy/dropped"] = float(dropped)
-        return self.completions(request, result), result.version, metrics
+        return self.completions(request, result), metrics
 
     def min_version(self, step: int) -> int:
         """The oldest version step `step`'s rollout may be generated with: step - k under wait, any under drop."""
@@ -157,20 +157,14 @@ class OverlapRollouts:
 
     def submit(self, step: int, min_version: int) -> None:
         """Ask the engine for step `step`'s rollout, generated with version `min_version` or a later one."""
-        examples = self.examples(step)
-        encoded = self.tokenizer([self.render.text(e) for e in examples],
-                                 add_special_tokens=self.render.add_special_tokens)["input_ids"]
-        seeds = torch.randint(0, 2**62, (len(examples),), dtype=torch.int64,
-                              generator=torch.Generator().manual_seed(stream_seed(self.seed, OVERLAP_ROWS, step)))
-        sampling = Sampling.of_rollout(self.rollout, self.render.add_special_tokens)
-        stop = [] if sampling.suppress_eos else stop_ids(self.tokenizer, self.model, sampling.stop_token_ids)
-        self.submitted[step] = Request(self.next_id, step, encoded, seeds.tolist(), sampling, stop, min_version)
+        examples = self.rows.examples(step)
+        seeds = StepRows.stream_seeds(self.seed, OVERLAP_ROWS, step, len(examples))
+        sampling = Sampling.of_rollout(self.rollout, self.rows.render.add_special_tokens)
+        stop = [] if sampling.suppress_eos else stop_ids(self.rows.tokenizer, self.model, sampling.stop_token_ids)
+        self.submitted[step] = Request(self.next_id, step, self.rows.token_ids(examples), seeds.tolist(), sampling,
+                                       stop, min_version)
         self.engine.submit(self.submitted[step])
         self.next_id += 1
-
-    def examples(self, step: int) -> list:
-        """Step `step`'s prompts, each `group_size` times (groups contiguous), as the synchronous step takes them."""
-        return [e for e in self.prompts.for_step(step) for _ in range(self.rollout.group_size)]
 
     def take(self, step: int) -> tuple[Request, Result]:
         """Step `step`'s latest request and its rollout, waited for (the wait recorded); the rollouts of later steps
@@ -197,6 +191,14 @@ class OverlapRollouts:
                 "off_policy/overlap_frac": frac}
 
     def completions(self, request: Request, result: Result) -> Generated:
-        from gspo_lab.rollout.vllm.calls import assemble
+        """The result's rows as completions, every token marked with the version that generated the rollout."""
+        completions = from_token_lists(self.rows.tokenizer, request.prompt_ids, result.tokens, result.logprobs,
+                                       request.stop)
+        completions.versions = torch.full_like(completions.completion_ids, result.version)
+        return Generated(completions)
 
-        return Generated(assemble(self.tokenizer, request.prompt_ids, result.tokens, result.logprobs, request.stop))
+    def state_dict(self) -> dict:
+        return {}  # the rollouts in flight are generated again on resume (see the module docstring)
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
