@@ -58,7 +58,7 @@ def measure(module, cfg, rollouts: int, precision: str) -> None:
     print("rollout | source     | max |token log-ratio| | max |sequence log-ratio|")
     for step in range(rollouts):
         torch.manual_seed(step)
-        grouped = [e.prompt for e in module.collector.prompts.for_step(step) for _ in range(rollout.group_size)]
+        grouped = [e.prompt for e in module.collector.rows.examples(step)]
         out = generate(model, tokenizer, grouped, rollout.max_new_tokens, temperature=rollout.temperature,
                        top_p=rollout.top_p, suppress_eos=rollout.suppress_eos, return_logprobs=True,
                        share_prompts=rollout.share_prompt_prefill)

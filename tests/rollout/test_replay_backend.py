@@ -19,7 +19,7 @@ def record(compose, overrides: list[str], path) -> dict[str, tuple[str, str]]:
     _, module, _ = build(compose(overrides))
     pairs = {}
     for step in range(STEPS):
-        examples = module.collector.prompts.for_step(step)
+        examples = module.collector.rows.prompts.for_step(step)
         for text, example in zip(module.render.texts(examples), examples):
             pairs[text] = (str(example.answer), str(int(example.answer) + 1))
     module.close()
