@@ -16,6 +16,8 @@ CONFIG_DIR = str(PACKAGE_DIR / "conf" if SOURCE_ROOT is None else SOURCE_ROOT / 
 # ${mul:a,b} and ${idiv:a,b} in configs, e.g. a clip range times clip_scale
 OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
 OmegaConf.register_new_resolver("idiv", lambda a, b: a // b, replace=True)
+# ${is_set:value}: whether a key holds a value (experiment=partial_rollouts: rollout.partial where segment_tokens is set)
+OmegaConf.register_new_resolver("is_set", lambda value: value is not None, replace=True)
 # ${truncate:text,n}: sweep subdir names stay under the 255-byte file-name limit however many overrides
 OmegaConf.register_new_resolver("truncate", lambda text, n: str(text)[:n], replace=True)
 
