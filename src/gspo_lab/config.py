@@ -76,9 +76,10 @@ class RolloutConfig:
             be: it waits for the trainer's weights) or "drop" (it is dropped and generated again from the current
             weights; off_policy/dropped).
         overlap: async_mode=overlap's settings (`OverlapConfig`).
-        partial: partial rollouts: one sequence written by several weight versions. Under async_mode=lagged (the
-            deterministic form, gspo_lab.rollout.sources.lagged) a row advances one version every `segment_tokens`
-            tokens, capped at the current one.
+        partial: partial rollouts: one sequence written by several weight versions. Under async_mode=overlap new
+            weights interrupt the engine's unfinished rows, which continue under them (gspo_lab.rollout.vllm.
+            partial); under lagged (the deterministic form, gspo_lab.rollout.sources.lagged) a row advances one
+            version every `segment_tokens` tokens, capped at the current one.
         segment_tokens: under partial=true in lagged mode, the tokens a row generates with one version.
         lag_spread: under async_mode=lagged, the versions a step's groups start from: "fixed" (every row from
             max(t - k, 0)) or "uniform" (each group's drawn from max(t - k, 0)..t, seeded by the run's seed and
@@ -185,11 +186,11 @@ class RolloutConfig:
         _require(not self.partial or self.max_staleness >= 1, "rollout.partial", self.partial,
                  "a partial rollout's later tokens come from newer weights than its first: set rollout.max_staleness "
                  ">= 1")
-        _require(not (self.partial and self.async_mode == "overlap"), "rollout.partial", self.partial,
-                 "with rollout.async_mode=overlap is not built yet (the engine process generates whole rollouts); "
-                 "use async_mode=lagged with rollout.segment_tokens")
         segment = self.segment_tokens
-        if self.partial:
+        if self.partial and self.async_mode == "overlap":
+            _require(segment is None, "rollout.segment_tokens", segment, "applies in async_mode=lagged only: under "
+                     "overlap new weights interrupt a rollout when they arrive (leave it null)")
+        elif self.partial:
             _require(isinstance(segment, int) and not isinstance(segment, bool) and segment >= 1,
                      "rollout.segment_tokens", segment, "must be an integer >= 1 under rollout.partial=true in lagged "
                      "mode: the tokens a row generates with one weight version")

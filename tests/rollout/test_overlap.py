@@ -55,6 +55,8 @@ def test_the_engine_gets_the_cores_named_and_the_trainer_the_rest():
      "rollout.overlap.queue_size=2 is invalid: under rollout.stale_policy=wait"),
     ({"backend": "vllm", "max_staleness": 1, "filter_zero_std_groups": True}, "rollout.filter_zero_std_groups=True"),
     ({"backend": "vllm", "max_staleness": 1, "rescore": "hf"}, "rollout.rescore='hf' is invalid: not supported"),
+    ({"backend": "vllm", "max_staleness": 1, "partial": True, "segment_tokens": 4},
+     "rollout.segment_tokens=4 is invalid: applies in async_mode=lagged only"),
 ])
 def test_what_overlap_cannot_run_is_refused(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -161,3 +163,44 @@ def test_sigterm_stops_an_overlapped_run_with_its_engine_and_it_resumes(fast_rl,
 def metric_rows(run_dir) -> list[dict]:
     with open(run_dir / "metrics.csv", newline="") as file:
         return list(csv.DictReader(file))
+
+
+@pytest.mark.vllm
+def test_new_weights_interrupt_a_partial_rollout_which_goes_on_under_them(compose, rl_overrides, monkeypatch,
+                                                                          updated_batches):
+    """rollout.partial, k = 1 under wait: 64-token rows (EOS suppressed) take the engine longer than a tiny model's
+    update takes the trainer, so the version pushed at step t + 1 arrives while step t + 1's rollout is generating
+    with version t: its rows go on under t + 1. Every token records its version; a row's versions never go back;
+    none is more than k old; and each token's engine log-prob is that of the weights of its own version (the
+    trainer's weights at the start of that step), to float32 rounding."""
+    pytest.importorskip("vllm")
+    from gspo_lab.step.updater import Updater
+
+    versions, real_update = {}, Updater.update
+
+    def kept(self, batch, *args, **kwargs):  # the weights the step starts with: version `step`
+        versions[len(versions)] = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        return real_update(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(Updater, "update", kept)
+    run, module, _ = build(compose(rl_overrides + overlap(1, "rollout.partial=true", "rollout.suppress_eos=true",
+                                                          "rollout.max_new_tokens=64")
+                                   + ["train.steps=4", "train.eval_every=0", "train.minibatches=1"]))
+    run.trainer.fit(module)
+    assert max(row["off_policy/mixed_frac"] for row in module.history) > 0
+    assert all(row["off_policy/staleness_max"] <= 1 and row["off_policy/versions_per_sequence_max"] <= 2
+               for row in module.history)
+    mixed = 0
+    for step, batch in enumerate(updated_batches):
+        mask = batch.policy_mask.bool()
+        assert int(mask.sum()) == 64 * 16  # no token lost, none generated twice
+        assert bool((batch.versions[:, 1:] >= batch.versions[:, :-1]).all())
+        for version in batch.versions.unique().tolist():
+            written = mask & (batch.versions == version)
+            module.model.load_state_dict(versions[version], strict=False)
+            with torch.no_grad():
+                logp, _ = token_logprobs(module.model, batch.input_ids, batch.attention_mask, batch.completion_len,
+                                         module.rollout_cfg.temperature)
+            assert (batch.rollout_logp - logp)[written].abs().max() <= ROUNDING, (step, version)
+        mixed += int((batch.versions.min(-1).values < batch.versions.max(-1).values).sum())
+    assert mixed > 0

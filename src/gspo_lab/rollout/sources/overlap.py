@@ -162,7 +162,7 @@ class OverlapSource:
         sampling = Sampling.of_rollout(self.rollout, self.rows.render.add_special_tokens)
         stop = [] if sampling.suppress_eos else stop_ids(self.rows.tokenizer, self.model, sampling.stop_token_ids)
         self.submitted[step] = Request(self.next_id, step, self.rows.token_ids(examples), seeds.tolist(), sampling,
-                                       stop, min_version)
+                                       stop, min_version, self.rollout.partial)
         self.engine.submit(self.submitted[step])
         self.next_id += 1
 
@@ -191,10 +191,13 @@ class OverlapSource:
                 "off_policy/overlap_frac": frac}
 
     def completions(self, request: Request, result: Result) -> Generated:
-        """The result's rows as completions, every token marked with the version that generated the rollout."""
+        """The result's rows as completions, each token marked with the version that generated it."""
         completions = from_token_lists(self.rows.tokenizer, request.prompt_ids, result.tokens, result.logprobs,
                                        request.stop)
         completions.versions = torch.full_like(completions.completion_ids, result.version)
+        for row, versions in enumerate(result.versions or []):  # rollout.partial: several versions per row
+            kept = int(completions.completion_mask[row].sum())  # the tokens up to the first stop token
+            completions.versions[row, :kept] = torch.tensor(versions[:kept], dtype=torch.long)
         return Generated(completions)
 
     def state_dict(self) -> dict:

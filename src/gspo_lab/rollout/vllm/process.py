@@ -14,7 +14,8 @@ The trainer process starts it (`EngineProcess.start`) and stops it with itself (
   state dict is pickled. The trainer's broadcast is asynchronous: it copies the weights into a host buffer,
   issues the broadcast and trains on; the engine receives it between two rollouts, never within one.
 
-The engine applies every version that has arrived before it starts a rollout, generates the earliest step's pending
+The engine applies every version that has arrived before it starts a rollout (under rollout.partial also within one:
+gspo_lab.rollout.vllm.partial), generates the earliest step's pending
 rollout first, and starts one only once it holds a version at least the rollout's `min_version`
 (gspo_lab.rollout.sources.overlap sets it from rollout.stale_policy). It
 ignores SIGINT and SIGTERM (the trainer stops it after its checkpoint) and exits when the trainer process is
@@ -102,12 +103,14 @@ class Request:
     sampling: Sampling
     stop: list[int]
     min_version: int
+    partial: bool = False  # rollout.partial: new weights interrupt it (gspo_lab.rollout.vllm.partial)
 
 
 @dataclass(frozen=True)
 class Result:
-    """A generated rollout: each row's sampled token ids and their log-probs, the weight version that generated
-    them, and when (time.monotonic) its generation started and ended."""
+    """A generated rollout: each row's sampled token ids and their log-probs, the weight version that started it
+    (the oldest of its tokens'), when (time.monotonic) its generation started and ended, and under rollout.partial
+    each token's version."""
 
     request_id: int
     tokens: list[list[int]]
@@ -115,6 +118,7 @@ class Result:
     version: int
     started: float
     ended: float
+    versions: list[list[int]] | None = None
 
 
 class EngineProcess:
@@ -254,6 +258,7 @@ class Engine:
     def __init__(self, spec: EngineSpec, llm, group, requests, results) -> None:
         self.spec, self.llm, self.group, self.requests, self.results = spec, llm, group, requests, results
         self.version = -1  # no weights yet: the first rollout waits for version 0 at least
+        self.arrived: list[int] = []  # versions announced and not yet loaded, in order
         self.buffer = torch.empty(spec.layout.nbytes, dtype=torch.uint8)  # each version's bytes, received in turn
         self.pending: list[Request] = []
         self.stopping = False
@@ -263,6 +268,7 @@ class Engine:
         steps') once the version held allows it; otherwise wait for the next message."""
         while not self.stopping:
             self.drain()
+            self.apply()
             first = min(self.pending, key=lambda request: (request.step, request.request_id), default=None)
             if first is not None and first.min_version <= self.version:
                 self.pending.remove(first)
@@ -292,9 +298,14 @@ class Engine:
         if kind == "stop":
             self.stopping = True
         elif kind == "weights":
-            self.load(payload)
+            self.arrived.append(payload)
         else:
             self.pending.append(payload)
+
+    def apply(self) -> None:
+        """Load every version that has arrived, in order (each is one broadcast the trainer issued)."""
+        while self.arrived:
+            self.load(self.arrived.pop(0))
 
     def load(self, version: int) -> None:
         """Receive version `version`'s bytes and reload vLLM's weights in place from them."""
@@ -309,9 +320,15 @@ class Engine:
     def generate(self, request: Request) -> None:
         from gspo_lab.rollout.vllm.calls import sampled_lists, sampling_params
 
-        started = time.monotonic()
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in request.prompt_ids],
-                                    sampling_params(request.sampling, request.seeds, request.stop), use_tqdm=False)
-        tokens, logprobs = sampled_lists(outputs, True)
-        self.results.put(("rollout", Result(request.request_id, tokens, logprobs, self.version, started,
-                                            time.monotonic())))
+        started, version = time.monotonic(), self.version
+        if request.partial:
+            from gspo_lab.rollout.vllm.partial import InterruptedRollout
+
+            tokens, logprobs, versions = InterruptedRollout(self.llm, request).run(self)
+        else:
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in request.prompt_ids],
+                                        sampling_params(request.sampling, request.seeds, request.stop), use_tqdm=False)
+            (tokens, logprobs), versions = sampled_lists(outputs, True), None
+        if not self.stopping:
+            self.results.put(("rollout", Result(request.request_id, tokens, logprobs, version, started,
+                                                time.monotonic(), versions)))
