@@ -1,6 +1,7 @@
 """Steps per hour of rollout.async_mode=overlap (a vLLM engine process on its own cores, generating the next step's
-rollout while the trainer trains; k = 1) against the synchronous step (vLLM colocated in the trainer's process, on
-every core), as whole `gspo-train` runs alternated A B A B.
+rollout while the trainer trains; k = 1), with and without partial rollouts (rollout.partial: new weights interrupt
+the engine's unfinished rows), against the synchronous step (vLLM colocated in the trainer's process, on every
+core), as whole `gspo-train` runs alternated A B C A B C.
 
     python scripts/bench_overlap.py                         # bench_anchor on vLLM, 3 rounds of 4 and 24 steps
     python scripts/bench_overlap.py --rounds 5 rollout.max_new_tokens=64
@@ -9,8 +10,8 @@ Each round runs both arms at two lengths (--short and --long steps). Whole-run s
 and vLLM's (tens of seconds on CPU), so the steady-state seconds per step are taken as (T(long) - T(short)) /
 (long - short) within the round, and steps per hour as 3,600 over that. Printed: each arm's whole-run seconds and
 seconds per step (min, median, max over rounds), the per-round ratio sync / overlap of seconds per step (the
-speed-up in steps per hour), and from the overlap runs' metrics.csv the medians of time/wait_s,
-time/generate_s and off_policy/overlap_frac. Both arms take π_old from the engine (bypass), so neither runs a
+speed-up in steps per hour), and from each overlapped arm's metrics.csv the medians of time/wait_s,
+time/generate_s, off_policy/overlap_frac, and under partial off_policy/mixed_frac and token_staleness_mean. Both arms take π_old from the engine (bypass), so neither runs a
 no-grad forward the other does not. Run it in the environment that has vLLM (make test-vllm builds .venv-vllm),
 with nothing else computing.
 """
@@ -29,7 +30,10 @@ from pathlib import Path
 
 WORKLOAD = ["experiment=bench_anchor", "rollout.backend=vllm", "rollout.logprobs_from_generation=true",
             "model.config.head_dim=32"]  # vLLM's CPU attention takes head sizes in multiples of 32
-ARMS = {"sync": [], "overlap": ["rollout.max_staleness=1", "rollout.async_mode=overlap"]}
+OVERLAP = ["rollout.max_staleness=1", "rollout.async_mode=overlap"]
+ARMS = {"sync": [], "overlap": OVERLAP, "partial": OVERLAP + ["rollout.partial=true"]}
+MEDIANS = ("time/wait_s", "time/generate_s", "off_policy/overlap_frac", "off_policy/mixed_frac",
+           "off_policy/token_staleness_mean")
 
 
 def run(overrides: list[str], steps: int, folder: Path) -> tuple[float, list[dict]]:
@@ -59,7 +63,7 @@ def main() -> None:
     workload = WORKLOAD + args.overrides
     whole = {arm: [] for arm in ARMS}
     per_step = {arm: [] for arm in ARMS}
-    overlap_rows = []
+    overlapped = {arm: [] for arm in ARMS if arm != "sync"}  # metrics.csv rows of the long runs after step 0
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as scratch:
         for round_ in range(args.rounds):
             for arm, extra in ARMS.items():
@@ -67,8 +71,8 @@ def main() -> None:
                 for steps in (args.short, args.long):
                     folder = Path(scratch) / f"{arm}-{round_}-{steps}"
                     times[steps], rows = run(workload + extra, steps, folder)
-                    if arm == "overlap" and steps == args.long:
-                        overlap_rows += [r for r in rows if r.get("time/wait_s") and int(r["step"]) > 0]
+                    if arm in overlapped and steps == args.long:
+                        overlapped[arm] += [r for r in rows if r.get("time/wait_s") and int(r["step"]) > 0]
                 whole[arm].append(times[args.long])
                 per_step[arm].append((times[args.long] - times[args.short]) / (args.long - args.short))
                 print(f"round {round_} {arm:8s} {args.long} steps {times[args.long]:7.1f} s, "
@@ -78,11 +82,14 @@ def main() -> None:
     for arm in ARMS:
         print(f"{arm + f' whole run of {args.long} steps, s':34s} {spread(whole[arm])}")
         print(f"{arm + ' seconds per step':34s} {spread(per_step[arm])}")
-    ratios = [s / o for s, o in zip(per_step["sync"], per_step["overlap"])]
-    print(f"{'speed-up, steps per hour':34s} {spread(ratios)}")
-    for key in ("time/wait_s", "time/generate_s", "off_policy/overlap_frac"):
-        values = [float(r[key]) for r in overlap_rows]
-        print(f"overlap median {key}: {statistics.median(values):.3f}")
+    for faster, slower in (("overlap", "sync"), ("partial", "sync"), ("partial", "overlap")):
+        ratios = [s / f for s, f in zip(per_step[slower], per_step[faster])]
+        print(f"{f'steps per hour, {faster} / {slower}':34s} {spread(ratios)}")
+    for arm, rows in overlapped.items():
+        for key in MEDIANS:
+            values = [float(r[key]) for r in rows if r.get(key)]
+            if values:
+                print(f"{arm} median {key}: {statistics.median(values):.3f}")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ class InterruptedRollout:
                 self.take(row, output, holder.version)
                 if output.finished:
                     del live[output.request_id]
+            if live and not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"vLLM holds none of the rows it was given ({sorted(live)}): their outputs never "
+                                   "came back under the ids they were added with")
             holder.drain()
             if live and (holder.arrived or holder.stopping):
                 self.engine.abort_request(list(live))
@@ -90,7 +93,8 @@ class InterruptedRollout:
             params.output_kind = RequestOutputKind.DELTA  # each step's new tokens alone
             name = f"{request.request_id}-{row}-{self.segment}"
             prompt = {"prompt_token_ids": request.prompt_ids[row] + self.tokens[row]}
-            live[self.engine.add_request(name, prompt, params)] = row
+            self.engine.add_request(name, prompt, params)
+            live[name] = row  # outputs and aborts name a request by this id (vLLM adds a suffix to its own)
         return live
 
     def take(self, row: int, output, version: int) -> None:
