@@ -48,8 +48,8 @@ def test_every_experiment_is_tested():
     assert STUDIES == ["clip_lr", "clip_range", "engine_r3", "entropy", "expert_volatility", "group_size", "length_norm",
                        "length_norm_long",
                        "multi_turn_calculator", "multi_turn_guess_number", "objective_zoo", "objective_zoo_long",
-                       "off_policy", "overoptimization", "paper_main", "precision", "real_engine", "routing_replay",
-                       "stability", "staleness"]
+                       "off_policy", "overoptimization", "paper_main", "partial_rollouts", "precision", "real_engine",
+                       "routing_replay", "stability", "staleness"]
     assert SINGLE_RUNS == ["bench_anchor", "bench_gpu", "bench_paper", "bench_vocab"]
 
 
@@ -80,6 +80,8 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
         from tests.rewards.graders import save_grader
 
         tiny.append(f"reward.functions.0.path={save_grader(tmp_path / 'reward_model')}")
+    if study == "partial_rollouts":  # its partial arm (the sweep's default is the synchronous one)
+        tiny += ["rollout.max_staleness=2", "rollout.segment_tokens=2", "train.steps=3"]
     result = gspo_train(["-m", f"experiment={study}", "seed=0", "sft.enabled=false", "hydra/launcher=basic",
                          f"hydra.sweep.dir={tmp_path / 'sweep'}", f"paths.cache_dir={tmp_path / 'cache'}", *tiny],
                         tmp_path)
@@ -89,7 +91,7 @@ def test_study_runs_its_grid_for_one_tiny_step(study, tmp_path):
                 "objective_zoo": 16, "objective_zoo_long": 16, "routing_replay": 6, "expert_volatility": 8,
                 "off_policy": 4, "stability": 6, "precision": 4, "real_engine": 4, "engine_r3": 3, "entropy": 2,
                 "multi_turn_calculator": 5, "multi_turn_guess_number": 5, "staleness": 20,
-                "overoptimization": 6}[study]
+                "overoptimization": 6, "partial_rollouts": 4}[study]
     assert len(runs) == expected
     assert all((run / "metrics.csv").is_file() for run in runs)
 
