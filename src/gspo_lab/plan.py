@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gspo_lab.eval_sets import build_eval
 from gspo_lab.objectives.micro_batches import check_splittable
-from gspo_lab.rewards import build_rewards, math_accuracy, unwrapped
+from gspo_lab.rewards import build_rewards, math_accuracy, reads_environments, unwrapped
 from gspo_lab.rollout.backend import RunSettings, backend_class, check_capabilities
 from gspo_lab.routing.adapters import find_routers
 from gspo_lab.tasks import HFDataset
@@ -84,7 +84,7 @@ def plan(cfg: DictConfig) -> Plan:
                                   str(trainer.precision))
         if parts["train"].micro_batch_size is not None:
             check_splittable(parts["objective"])
-        check_multi_turn(parts["task"], parts["rollout"])
+        check_multi_turn(parts["task"], parts["rollout"], parts["rewards"])
         check_versions(parts["rollout"], parts["routing"])
         check_answers(parts["task"], cfg, model_source, parts["train"], parts["evaluation"])
         if parts["routing"].replay != "off":  # raises for a dense or unsupported MoE
@@ -128,15 +128,18 @@ def check_optimizer(optimizer, settings: DictConfig) -> None:
         raise ValueError(f"{keys} is invalid: {settings.get('_target_')} refused it ({error})") from None
 
 
-def check_multi_turn(task, rollout) -> None:
-    """A task with tools or an environment (multi-turn, gspo_lab.rollout.multi_turn) in a synchronous or lagged
-    rollout whose rows each come from one version (the backend's own part: gspo_lab.rollout.backend.
-    check_capabilities)."""
+def check_multi_turn(task, rollout, rewards) -> None:
+    """A task with tools or an environment (multi-turn, gspo_lab.rollout.multi_turn) whose rows each come from one
+    version; under overlap the loop runs in the engine process, where its environments stay (the backend's own part:
+    gspo_lab.rollout.backend.check_capabilities)."""
     if task.toolset is None:
         return
-    if rollout.async_mode == "overlap":
-        raise ValueError("rollout.async_mode=overlap with task.tools or task.environment: the multi-turn loop runs the "
-                         "tools in the trainer's process between the engine's turns; use async_mode=lagged")
+    reading = [f.name for f in rewards.functions if reads_environments(f)]
+    if rollout.async_mode == "overlap" and rollout.max_staleness > 0 and reading:
+        raise ValueError(f"reward function {reading[0]} takes `environments` with rollout.async_mode=overlap: the "
+                         "rows' environment instances live in the engine process's tool workers, which the trainer "
+                         "does not reach; read get_reward()'s value (environment_reward) instead, or use "
+                         "async_mode=lagged")
     for key, value, default in (("partial", rollout.partial, False), ("lag_spread", rollout.lag_spread, "fixed")):
         if value != default:
             raise ValueError(f"rollout.{key}={value!r} with task.tools or task.environment is not built yet: the "

@@ -17,7 +17,7 @@ import torch
 from gspo_lab.config import OverlapConfig, RolloutConfig
 from gspo_lab.rollout import token_logprobs
 from gspo_lab.rollout.sources.overlap import split_cores
-from gspo_lab.rollout.vllm.process import ALIGN, Layout
+from gspo_lab.rollout.vllm.weights import ALIGN, Layout
 from gspo_lab.train import ConfigError, build, plan
 
 VLLM = ["rollout.backend=vllm", "rollout.logprobs_from_generation=true"]
@@ -72,9 +72,12 @@ def test_a_drop_policy_may_queue_beyond_k_and_bad_settings_name_their_key():
         OverlapConfig(timeout_s=0)
 
 
-def test_overlap_with_tools_or_on_two_ranks_is_refused_at_plan_time(compose, tmp_path):
+def test_what_overlap_cannot_run_is_refused_at_plan_time(compose, tmp_path):
     pytest.importorskip("vllm")
-    for more, message in ((["task=calculator"], "with task.tools or task.environment"),
+    for more, message in ((["task=calculator", "task.environment=tests.tools.trl_style.CounterEnv",
+                            "reward.functions=[{_target_: gspo_lab.rewards.TaskReward},"
+                            "{_target_: tests.tools.trl_style.counter_reward}]", "reward.num_workers=0"],
+                           r"counter_reward takes `environments` with rollout.async_mode=overlap"),
                           (["trainer=ddp", "trainer.devices=2"], r"here: 2 process\(es\) on cpu"),
                           (["algorithm=grpo_r3"], r"routing.replay=r3 with rollout.async_mode=overlap: the engine "
                                                   r"process returns no experts yet"),
@@ -204,3 +207,26 @@ def test_new_weights_interrupt_a_partial_rollout_which_goes_on_under_them(compos
             assert (batch.rollout_logp - logp)[written].abs().max() <= ROUNDING, (step, version)
         mixed += int((batch.versions.min(-1).values < batch.versions.max(-1).values).sum())
     assert mixed > 0
+
+
+@pytest.mark.vllm
+def test_a_multi_turn_run_overlaps_with_its_tools_in_the_engine_process(compose, tool_rl, updated_batches):
+    """task=calculator with a TRL-style tool and environment (tests/conftest.py's tool_rl), k = 1: the engine
+    process runs the turns and its own tool workers while the trainer trains. Trajectories call tools, the tools'
+    tokens are out of the loss with engine log-prob 0, every token records its version, none more than 1 old, and
+    the run trains."""
+    pytest.importorskip("vllm")
+    run, module, _ = build(compose(tool_rl + overlap(1, "model.config.head_dim=32")
+                                   + ["train.steps=3", "train.eval_every=0"]))
+    starting = [p.detach().clone() for p in module.model.parameters()]
+    run.trainer.fit(module)
+    assert all(row["tools/call_frequency"] > 0 and row["off_policy/staleness_max"] <= 1 for row in module.history)
+    assert module.history[2]["off_policy/staleness_max"] == 1
+    assert module.history[0]["reward/environment_reward/mean"] >= 0  # CounterEnv's get_reward, from the engine's loop
+    for step, batch in enumerate(updated_batches):
+        attended = batch.attention_mask[:, -batch.completion_len :].bool()
+        tools = attended & (batch.turns == 0)
+        assert tools.any() and batch.rollout_logp[tools].eq(0).all() and not batch.loss_mask.bool()[tools].any()
+        assert batch.versions[batch.policy_mask.bool()].unique().tolist() == [max(step - 1, 0)]
+    assert any(not torch.equal(a, b) for a, b in zip(starting, module.model.parameters()))
+    assert not multiprocessing.active_children()

@@ -51,7 +51,8 @@ __all__ = [
     "Failures", "GradingPool", "Judge", "RewardContractError", "RewardFunction", "RewardModel", "Scores", "TaskReward",
     "WeightedRewards",
     "boxed_match", "build_rewards", "check_signature", "environment_reward", "exact_match", "gold_reward",
-    "math_accuracy", "may_hang", "numeric_match", "reward_name", "soft_overlong_punishment", "think_format",
+    "math_accuracy", "may_hang", "numeric_match", "reads_environments", "reward_name", "soft_overlong_punishment",
+    "think_format",
     "unwrapped",
 ]
 
@@ -96,7 +97,7 @@ def build_rewards(cfg: DictConfig | dict, task, on_error: str = "zero", failure_
         log.warning("reward.num_workers=0 grades %s in the training process, where a call that never returns "
                     "(sympy on model output) cannot be stopped; null or >= 1 grades in killable workers",
                     ", ".join(hanging))
-    reading = [f"reward.functions.{i}" for i, f in enumerate(functions) if "environments" in _parameters(f.fn)]
+    reading = [f"reward.functions.{i}" for i, f in enumerate(functions) if reads_environments(f)]
     if reading and num_workers:
         raise ValueError(f"{reading[0]} takes `environments`, the rows' environment instances, which live in the "
                          "tool workers and are read from the trainer; reward.num_workers="
@@ -152,6 +153,11 @@ def _function(item: dict, task, columns: list[str] | None, where: str) -> Reward
     if columns is not None:
         _check_required(fn, columns, where)
     return RewardFunction(fn, weight, name)  # an empty name becomes TRL's (reward_name)
+
+
+def reads_environments(function: RewardFunction) -> bool:
+    """Whether a reward function takes `environments`, a multi-turn row's environment instances (TRL's)."""
+    return "environments" in _parameters(function.fn)
 
 
 def _parameters(obj) -> dict[str, inspect.Parameter]:

@@ -29,7 +29,7 @@ def build_source(model: torch.nn.Module, rollout: RolloutConfig, engine: InProce
     if rollout.async_mode == "overlap":
         from gspo_lab.rollout.sources.overlap import OverlapSource
 
-        return OverlapSource(model, rollout, rows, seed)
+        return OverlapSource(model, rollout, rows, seed, engine.agent)
     from gspo_lab.rollout.sources.lagged import LaggedSource
 
     return LaggedSource(engine, model, rollout, seed)

@@ -42,7 +42,9 @@ import torch
 from gspo_lab.config import RolloutConfig
 from gspo_lab.rollout.backend import Sampling
 from gspo_lab.rollout.completions import Generated, from_token_lists, stop_ids
+from gspo_lab.rollout.multi_turn import MultiTurn
 from gspo_lab.rollout.sources.base import StepRows
+from gspo_lab.rollout.vllm.agent import AgentSpec
 from gspo_lab.rollout.vllm.process import EngineProcess, Request, Result
 from gspo_lab.tasks.base import Example
 
@@ -99,11 +101,18 @@ class OverlapSource:
 
     in_process = False  # the engine process holds stale weights and works for the RL step
 
-    def __init__(self, model: torch.nn.Module, rollout: RolloutConfig, rows: StepRows, seed: int) -> None:
+    def __init__(self, model: torch.nn.Module, rollout: RolloutConfig, rows: StepRows, seed: int,
+                 agent: MultiTurn | None = None) -> None:
         self.model, self.rollout, self.rows, self.seed, self.k = model, rollout, rows, seed, rollout.max_staleness
         self.queue_size = rollout.overlap.queue_size or self.k
         self.engine_cores, self.trainer_cores = split_cores(rollout.overlap.engine_cores)
-        self.engine = EngineProcess(model, rollout, self.engine_cores)
+        self.agent = agent  # a task with tools: the trainer's loop, whose first errors the engine's loop reports
+        spec = None
+        if agent is not None:  # the loop runs in the engine process (gspo_lab.rollout.vllm.agent)
+            spec = AgentSpec(agent.toolset, agent.max_tool_calls, agent.max_tool_response_tokens,
+                             agent.chat_template_kwargs, rollout.tool_workers, rollout.tool_timeout_s,
+                             rows.tokenizer, rows.render).dumps()
+        self.engine = EngineProcess(model, rollout, self.engine_cores, spec)
         self.started = False
         self.submitted: dict[int, Request] = {}  # step -> its latest request, until taken
         self.arrived: dict[int, Result] = {}  # request id -> its rollout, not yet taken
@@ -144,7 +153,7 @@ class OverlapSource:
         metrics = {"time/engine_sync_s": time.perf_counter() - pushed}
         (request, result), dropped = self.take(step), 0
         if step - result.version > self.k:  # only under drop: regenerate from the current version
-            dropped = len(result.tokens)
+            dropped = len(request.seeds)
             self.submit(step, min_version=step)
             request, result = self.take(step)
         metrics.update(self.timing(result))
@@ -161,8 +170,12 @@ class OverlapSource:
         seeds = StepRows.stream_seeds(self.seed, OVERLAP_ROWS, step, len(examples))
         sampling = Sampling.of_rollout(self.rollout, self.rows.render.add_special_tokens)
         stop = [] if sampling.suppress_eos else stop_ids(self.rows.tokenizer, self.model, sampling.stop_token_ids)
-        self.submitted[step] = Request(self.next_id, step, self.rows.token_ids(examples), seeds.tolist(), sampling,
-                                       stop, min_version, self.rollout.partial)
+        if self.agent is not None:  # the engine's multi-turn loop renders the prompts with the tools' schemas
+            self.submitted[step] = Request(self.next_id, step, [], seeds.tolist(), sampling, stop, min_version,
+                                           examples=examples)
+        else:
+            self.submitted[step] = Request(self.next_id, step, self.rows.token_ids(examples), seeds.tolist(),
+                                           sampling, stop, min_version, self.rollout.partial)
         self.engine.submit(self.submitted[step])
         self.next_id += 1
 
@@ -192,6 +205,12 @@ class OverlapSource:
 
     def completions(self, request: Request, result: Result) -> Generated:
         """The result's rows as completions, each token marked with the version that generated it."""
+        if result.generated is not None:  # the engine's multi-turn loop: one version per rollout
+            generated = result.generated
+            generated.completions.versions = torch.full_like(generated.completions.completion_ids, result.version)
+            for kind, message in (result.first_errors or {}).items():
+                self.agent.first_errors.setdefault(kind, message)
+            return generated
         completions = from_token_lists(self.rows.tokenizer, request.prompt_ids, result.tokens, result.logprobs,
                                        request.stop)
         completions.versions = torch.full_like(completions.completion_ids, result.version)

@@ -76,3 +76,10 @@ def sampled_lists(outputs: list, logprobs: bool) -> tuple[list[list[int]], list[
                     for sample, ids in zip(samples, tokens)]
 
 
+def generate_lists(llm, encoded: list[list[int]], sampling: Sampling, seeds: list[int | None], stop: list[int],
+                   lora_request=None) -> tuple[list, list[list[int]], list[list[float]] | None]:
+    """One `generate` call of vLLM's `llm` on prompts given as token ids: its request outputs, and each row's
+    sampled token ids and their log-probs (where `sampling.logprobs`)."""
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling_params(sampling, seeds, stop),
+                           use_tqdm=False, lora_request=lora_request)
+    return (outputs, *sampled_lists(outputs, sampling.logprobs))

@@ -44,8 +44,7 @@ from gspo_lab.rollout.vllm import experts
 from gspo_lab.rollout.vllm.calls import (
     engine_arguments,
     expert_count,
-    sampled_lists,
-    sampling_params,
+    generate_lists,
     saved_config,
 )
 from gspo_lab.rollout.vllm.experts import Captured
@@ -287,10 +286,7 @@ class VLLMEngine:
         seeds = [None] * len(prompts) if sampling.greedy else (row_seeds if row_seeds is not None else
                                                                  draw_row_seeds(len(prompts))).tolist()
         with autocast_off(self.device_type):
-            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded],
-                                        sampling_params(sampling, seeds, stop), use_tqdm=False,
-                                        lora_request=self.adapter)
-        tokens, logprobs = sampled_lists(outputs, sampling.logprobs)
+            outputs, tokens, logprobs = generate_lists(self.llm, encoded, sampling, seeds, stop, self.adapter)
         completions = from_token_lists(tokenizer, encoded, tokens, logprobs, stop)
         routed = self.routed_experts(outputs, encoded, tokens)
         if routing is None or not routing.moe:

@@ -40,41 +40,9 @@ from torch.distributed import ProcessGroupGloo, TCPStore
 
 from gspo_lab.config import RolloutConfig
 from gspo_lab.rollout.backend import Sampling
+from gspo_lab.rollout.vllm.weights import Layout
 
-ALIGN = 64  # bytes: each tensor's offset in the weight buffer, so that a uint8 slice can be viewed as any dtype
 POLL_S = 1.0  # seconds between the engine's checks that the trainer process is still there
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each checkpoint tensor lies in a version's byte buffer: (name, dtype, shape, offset in bytes)."""
-
-    tensors: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
-    nbytes: int
-
-    @classmethod
-    def of(cls, weights: list[tuple[str, Tensor]]) -> Layout:
-        tensors, offset = [], 0
-        for name, tensor in weights:
-            tensors.append((name, tensor.dtype, tuple(tensor.shape), offset))
-            offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
-        return cls(tuple(tensors), max(offset, ALIGN))
-
-    def pack(self, weights: list[tuple[str, Tensor]]) -> Tensor:
-        """The tensors' bytes in one new host buffer [nbytes] uint8: the version's snapshot."""
-        buffer = torch.empty(self.nbytes, dtype=torch.uint8)
-        for (name, dtype, shape, offset), (_, tensor) in zip(self.tensors, weights, strict=True):
-            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            buffer[offset : offset + data.numel()].copy_(data)
-        return buffer
-
-    def unpack(self, buffer: Tensor) -> list[tuple[str, Tensor]]:
-        """Views of `buffer`'s bytes as the named tensors (no copy)."""
-        views = []
-        for name, dtype, shape, offset in self.tensors:
-            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            views.append((name, buffer[offset : offset + size].view(dtype).view(shape)))
-        return views
 
 
 @dataclass(frozen=True)
@@ -89,6 +57,7 @@ class EngineSpec:
     port: int
     parent: int  # the trainer's pid
     timeout_s: float
+    agent: bytes | None = None  # a task with tools: the multi-turn loop's parts (gspo_lab.rollout.vllm.agent)
 
 
 @dataclass(frozen=True)
@@ -104,6 +73,7 @@ class Request:
     stop: list[int]
     min_version: int
     partial: bool = False  # rollout.partial: new weights interrupt it (gspo_lab.rollout.vllm.partial)
+    examples: list | None = None  # a task with tools: the rows' examples, which the engine's multi-turn loop renders
 
 
 @dataclass(frozen=True)
@@ -119,14 +89,17 @@ class Result:
     started: float
     ended: float
     versions: list[list[int]] | None = None
+    generated: object | None = None  # a task with tools: the loop's Generated (turns, messages, per-row counts)
+    first_errors: dict | None = None  # and the first error of each kind its environments raised
 
 
 class EngineProcess:
     """The trainer's handle on the engine process: start it, push weight versions, submit rollouts, receive them,
     stop it."""
 
-    def __init__(self, model: torch.nn.Module, rollout: RolloutConfig, cores: set[int]) -> None:
-        self.model, self.rollout, self.cores = model, rollout, cores
+    def __init__(self, model: torch.nn.Module, rollout: RolloutConfig, cores: set[int], agent: bytes | None = None
+                 ) -> None:
+        self.model, self.rollout, self.cores, self.agent = model, rollout, cores, agent
         self.process = None
         self.store, self.group = None, None  # the gloo group of two that carries the weights, and its TCPStore
         self.layout: Layout | None = None  # where each checkpoint tensor lies in a version's buffer
@@ -147,7 +120,7 @@ class EngineProcess:
         self.layout = Layout.of(list(checkpoint_weights(self.model)))
         store = TCPStore("127.0.0.1", 0, 2, True, self.timeout, wait_for_workers=False)
         spec = EngineSpec(self.folder.name, dtype, self.rollout.vllm, tuple(sorted(self.cores)), self.layout,
-                          store.port, os.getpid(), self.rollout.overlap.timeout_s)
+                          store.port, os.getpid(), self.rollout.overlap.timeout_s, self.agent)
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch threads or vLLM state shared
         self.requests, self.results = context.Queue(), context.Queue()
         self.process = context.Process(target=serve, args=(spec, self.requests, self.results),
@@ -230,7 +203,12 @@ def serve(spec: EngineSpec, requests, results) -> None:
         results.put(("ready", None))
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         group = ProcessGroupGloo(TCPStore("127.0.0.1", spec.port, 2, False, timeout), 1, 2, timeout)
-        Engine(spec, llm, group, requests, results).run()
+        engine = Engine(spec, llm, group, requests, results)
+        try:
+            engine.run()
+        finally:
+            if engine.agent is not None:
+                engine.agent.close()
     except BaseException:  # noqa: BLE001 - whatever stops the engine reaches the trainer as its traceback
         results.put(("error", traceback.format_exc()))
 
@@ -262,6 +240,11 @@ class Engine:
         self.buffer = torch.empty(spec.layout.nbytes, dtype=torch.uint8)  # each version's bytes, received in turn
         self.pending: list[Request] = []
         self.stopping = False
+        self.agent = None  # a task with tools: the multi-turn loop (gspo_lab.rollout.vllm.agent)
+        if spec.agent is not None:
+            from gspo_lab.rollout.vllm.agent import EngineAgent
+
+            self.agent = EngineAgent(spec.agent)
 
     def run(self) -> None:
         """Generate the pending rollout of the earliest step (a dropped step's second request goes before the later
@@ -318,17 +301,22 @@ class Engine:
         self.version = version
 
     def generate(self, request: Request) -> None:
-        from gspo_lab.rollout.vllm.calls import sampled_lists, sampling_params
+        from gspo_lab.rollout.vllm.calls import generate_lists
 
         started, version = time.monotonic(), self.version
+        if request.examples is not None:
+            generated, errors = self.agent.generate(self.llm, request)
+            self.results.put(("rollout", Result(request.request_id, [], [], version, started, time.monotonic(),
+                                                generated=generated, first_errors=errors)))
+            return
         if request.partial:
             from gspo_lab.rollout.vllm.partial import InterruptedRollout
 
             tokens, logprobs, versions = InterruptedRollout(self.llm, request).run(self)
         else:
-            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in request.prompt_ids],
-                                        sampling_params(request.sampling, request.seeds, request.stop), use_tqdm=False)
-            (tokens, logprobs), versions = sampled_lists(outputs, True), None
+            _, tokens, logprobs = generate_lists(self.llm, request.prompt_ids, request.sampling, request.seeds,
+                                                 request.stop)
+            versions = None
         if not self.stopping:
             self.results.put(("rollout", Result(request.request_id, tokens, logprobs, version, started,
                                                 time.monotonic(), versions)))

@@ -14,7 +14,8 @@ The trainer's model may hold its weights in three ways, and the engine gets full
   trainer's weights untouched, rounding included. Under rollout.vllm.lora_sync=adapter the base weights go once
   (`merged=False`) and then the adapters alone, in PEFT's format (`save_adapter`).
 
-`reload_in_worker` runs in vLLM's worker and loads what `checkpoint_weights` yields through vLLM's in-place reload;
+`Layout` packs a version's tensors into one byte buffer for overlap's engine process (gspo_lab.rollout.vllm.process),
+and unpacks them there. `reload_in_worker` runs in vLLM's worker and loads what `checkpoint_weights` yields through vLLM's in-place reload;
 `quiet_reloads` silences what that reload logs at every sync and that says nothing.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ from torch import Tensor
 
 WRAPPED = re.compile(r"(^|\.)base_layer(?=\.)")  # PEFT's wrapper of a weight: "q_proj.base_layer.weight"
 ADAPTER = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")  # an adapter's own tensors
+ALIGN = 64  # bytes: each tensor's offset in a version's buffer (`Layout`), so that a uint8 slice views as any dtype
 
 
 def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -154,3 +157,35 @@ def quiet_reloads() -> None:
     loads = logging.getLogger("vllm.model_executor.models.utils")
     if not any(isinstance(f, NarrowingLoadFilter) for f in loads.filters):
         loads.addFilter(NarrowingLoadFilter())
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each checkpoint tensor lies in a version's byte buffer: (name, dtype, shape, offset in bytes)."""
+
+    tensors: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, weights: list[tuple[str, Tensor]]) -> Layout:
+        tensors, offset = [], 0
+        for name, tensor in weights:
+            tensors.append((name, tensor.dtype, tuple(tensor.shape), offset))
+            offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        return cls(tuple(tensors), max(offset, ALIGN))
+
+    def pack(self, weights: list[tuple[str, Tensor]]) -> Tensor:
+        """The tensors' bytes in one new host buffer [nbytes] uint8: the version's snapshot."""
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+        for (name, dtype, shape, offset), (_, tensor) in zip(self.tensors, weights, strict=True):
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            buffer[offset : offset + data.numel()].copy_(data)
+        return buffer
+
+    def unpack(self, buffer: Tensor) -> list[tuple[str, Tensor]]:
+        """Views of `buffer`'s bytes as the named tensors (no copy)."""
+        views = []
+        for name, dtype, shape, offset in self.tensors:
+            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            views.append((name, buffer[offset : offset + size].view(dtype).view(shape)))
+        return views
