@@ -14,12 +14,12 @@ from gspo_lab.engine_settings import (  # noqa: F401 - re-exported: conf/ names 
     PRECISIONS,
     STALE_POLICIES,
     WEIGHT_BITS,
-    EngineConfig,
     LAG_SPREADS,
+    EngineConfig,
     OverlapConfig,
     VLLMConfig,
-    _positive_int,
-    _require,
+    positive_int,
+    require,
 )
 
 REPLAY_MODES = ("off", "r2", "r3")
@@ -122,101 +122,101 @@ class RolloutConfig:
     rescore: str | None = None
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.backend, str), "rollout.backend", self.backend,
-                 "must name a backend (gspo_lab.rollout.backend.BACKENDS)")
+        require(isinstance(self.backend, str), "rollout.backend", self.backend,
+                "must name a backend (gspo_lab.rollout.backend.BACKENDS)")
         for key in ("max_tool_calls", "max_tool_response_tokens"):
             value = getattr(self, key)
-            _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
-                     f"rollout.{key}", value, "must be null or an integer >= 1")
-        _require(isinstance(self.tool_workers, int) and self.tool_workers >= 1, "rollout.tool_workers",
-                 self.tool_workers, "must be an integer >= 1")
-        _require(isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0, "rollout.tool_timeout_s",
-                 self.tool_timeout_s, "must be a number > 0")
-        _require(isinstance(self.max_staleness, int) and not isinstance(self.max_staleness, bool)
-                 and self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness, "must be an integer >= 0")
-        _require(self.async_mode in ASYNC_MODES, "rollout.async_mode", self.async_mode,
-                 f"must be one of {list(ASYNC_MODES)}")
-        _require(self.stale_policy in STALE_POLICIES, "rollout.stale_policy", self.stale_policy,
-                 f"must be one of {list(STALE_POLICIES)}")
+            require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                    f"rollout.{key}", value, "must be null or an integer >= 1")
+        require(isinstance(self.tool_workers, int) and self.tool_workers >= 1, "rollout.tool_workers",
+                self.tool_workers, "must be an integer >= 1")
+        require(isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0, "rollout.tool_timeout_s",
+                self.tool_timeout_s, "must be a number > 0")
+        require(isinstance(self.max_staleness, int) and not isinstance(self.max_staleness, bool)
+                and self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness, "must be an integer >= 0")
+        require(self.async_mode in ASYNC_MODES, "rollout.async_mode", self.async_mode,
+                f"must be one of {list(ASYNC_MODES)}")
+        require(self.stale_policy in STALE_POLICIES, "rollout.stale_policy", self.stale_policy,
+                f"must be one of {list(STALE_POLICIES)}")
         if self.async_mode == "overlap":
             self.check_overlap()
         else:
             self.refuse_overlap_settings()
         self.check_versions()
-        _require(self.rescore is None or isinstance(self.rescore, str), "rollout.rescore", self.rescore,
-                 "must be null or name a backend that scores (gspo_lab.rollout.backend.Scorer)")
+        require(self.rescore is None or isinstance(self.rescore, str), "rollout.rescore", self.rescore,
+                "must be null or name a backend that scores (gspo_lab.rollout.backend.Scorer)")
         if self.logprobs_from_generation is None:  # what the backend can do (gspo_lab.rollout.backend), not its name
             from gspo_lab.rollout.backend import backend_class
 
             self.logprobs_from_generation = backend_class(self.backend).exact_logprobs(self)
-        _require(isinstance(self.logprobs_from_generation, bool), "rollout.logprobs_from_generation",
-                 self.logprobs_from_generation, "must be null, true or false")
-        _positive_int("rollout.prompts_per_step", self.prompts_per_step)
-        _positive_int("rollout.group_size", self.group_size, minimum=2)
-        _positive_int("rollout.max_new_tokens", self.max_new_tokens)
-        _positive_int("rollout.max_sampling_rounds", self.max_sampling_rounds)
+        require(isinstance(self.logprobs_from_generation, bool), "rollout.logprobs_from_generation",
+                self.logprobs_from_generation, "must be null, true or false")
+        positive_int("rollout.prompts_per_step", self.prompts_per_step)
+        positive_int("rollout.group_size", self.group_size, minimum=2)
+        positive_int("rollout.max_new_tokens", self.max_new_tokens)
+        positive_int("rollout.max_sampling_rounds", self.max_sampling_rounds)
         if self.generation_batch_size is not None:
-            _positive_int("rollout.generation_batch_size", self.generation_batch_size)
-        _require(isinstance(self.filter_zero_std_groups, bool), "rollout.filter_zero_std_groups",
-                 self.filter_zero_std_groups, "must be true or false")
-        _require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0,
-                 "rollout.temperature", self.temperature, "must be a finite number > 0")
-        _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "rollout.top_p", self.top_p,
-                 "must satisfy 0 < top_p <= 1")
-        _require(not (self.suppress_eos and self.mask_truncated), "rollout.mask_truncated", self.mask_truncated,
-                 "rollout.suppress_eos=true truncates every completion, so masking truncated ones leaves nothing to "
-                 "train on (the loss is 0 every step); turn one of them off")
+            positive_int("rollout.generation_batch_size", self.generation_batch_size)
+        require(isinstance(self.filter_zero_std_groups, bool), "rollout.filter_zero_std_groups",
+                self.filter_zero_std_groups, "must be true or false")
+        require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0,
+                "rollout.temperature", self.temperature, "must be a finite number > 0")
+        require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "rollout.top_p", self.top_p,
+                "must satisfy 0 < top_p <= 1")
+        require(not (self.suppress_eos and self.mask_truncated), "rollout.mask_truncated", self.mask_truncated,
+                "rollout.suppress_eos=true truncates every completion, so masking truncated ones leaves nothing to "
+                "train on (the loss is 0 every step); turn one of them off")
         ids = list(self.stop_token_ids or [])
-        _require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), "rollout.stop_token_ids",
-                 self.stop_token_ids, "must be a list of token ids (integers >= 0)")
+        require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids), "rollout.stop_token_ids",
+                self.stop_token_ids, "must be a list of token ids (integers >= 0)")
         self.stop_token_ids = ids
 
     def refuse_overlap_settings(self) -> None:
         """Settings of async_mode=overlap alone, refused under lagged mode, where they would do nothing: its rollout
         is generated in the step from the version k steps back, so nothing is queued, waited for or dropped."""
-        _require(self.stale_policy == "wait", "rollout.stale_policy", self.stale_policy,
-                 "applies under rollout.async_mode=overlap only; async_mode=lagged generates each step's rollout "
-                 "from the weights k versions back and drops nothing (leave it at wait)")
-        _require(self.overlap.queue_size is None, "rollout.overlap.queue_size", self.overlap.queue_size,
-                 "applies under rollout.async_mode=overlap only; async_mode=lagged queues nothing (leave it null)")
+        require(self.stale_policy == "wait", "rollout.stale_policy", self.stale_policy,
+                "applies under rollout.async_mode=overlap only; async_mode=lagged generates each step's rollout "
+                "from the weights k versions back and drops nothing (leave it at wait)")
+        require(self.overlap.queue_size is None, "rollout.overlap.queue_size", self.overlap.queue_size,
+                "applies under rollout.async_mode=overlap only; async_mode=lagged queues nothing (leave it null)")
 
     def check_versions(self) -> None:
         """rollout.partial, segment_tokens and lag_spread: which versions write a lagged step's tokens."""
-        _require(isinstance(self.partial, bool), "rollout.partial", self.partial, "must be true or false")
-        _require(not self.partial or self.max_staleness >= 1, "rollout.partial", self.partial,
-                 "a partial rollout's later tokens come from newer weights than its first: set rollout.max_staleness "
-                 ">= 1")
+        require(isinstance(self.partial, bool), "rollout.partial", self.partial, "must be true or false")
+        require(not self.partial or self.max_staleness >= 1, "rollout.partial", self.partial,
+                "a partial rollout's later tokens come from newer weights than its first: set rollout.max_staleness "
+                ">= 1")
         segment = self.segment_tokens
         if self.partial and self.async_mode == "overlap":
-            _require(segment is None, "rollout.segment_tokens", segment, "applies in async_mode=lagged only: under "
-                     "overlap new weights interrupt a rollout when they arrive (leave it null)")
+            require(segment is None, "rollout.segment_tokens", segment, "applies in async_mode=lagged only: under "
+                    "overlap new weights interrupt a rollout when they arrive (leave it null)")
         elif self.partial:
-            _require(isinstance(segment, int) and not isinstance(segment, bool) and segment >= 1,
-                     "rollout.segment_tokens", segment, "must be an integer >= 1 under rollout.partial=true in lagged "
-                     "mode: the tokens a row generates with one weight version")
+            require(isinstance(segment, int) and not isinstance(segment, bool) and segment >= 1,
+                    "rollout.segment_tokens", segment, "must be an integer >= 1 under rollout.partial=true in lagged "
+                    "mode: the tokens a row generates with one weight version")
         else:
-            _require(segment is None, "rollout.segment_tokens", segment, "applies under rollout.partial=true only "
-                     "(leave it null)")
-        _require(self.lag_spread in LAG_SPREADS, "rollout.lag_spread", self.lag_spread,
-                 f"must be one of {list(LAG_SPREADS)}")
-        _require(self.lag_spread == "fixed" or (self.max_staleness >= 1 and self.async_mode == "lagged"),
-                 "rollout.lag_spread", self.lag_spread, "spreads the versions of async_mode=lagged: set "
-                 "rollout.max_staleness >= 1 with async_mode=lagged")
+            require(segment is None, "rollout.segment_tokens", segment, "applies under rollout.partial=true only "
+                    "(leave it null)")
+        require(self.lag_spread in LAG_SPREADS, "rollout.lag_spread", self.lag_spread,
+                f"must be one of {list(LAG_SPREADS)}")
+        require(self.lag_spread == "fixed" or (self.max_staleness >= 1 and self.async_mode == "lagged"),
+                "rollout.lag_spread", self.lag_spread, "spreads the versions of async_mode=lagged: set "
+                "rollout.max_staleness >= 1 with async_mode=lagged")
 
     def check_overlap(self) -> None:
         """What async_mode=overlap needs of the other rollout settings: a vLLM engine generating whole single-round
         rollouts ahead of the trainer, at most k versions old."""
-        _require(self.max_staleness >= 1, "rollout.async_mode", self.async_mode,
-                 "overlap generates ahead of the trainer, so its rows are stale: set rollout.max_staleness >= 1")
+        require(self.max_staleness >= 1, "rollout.async_mode", self.async_mode,
+                "overlap generates ahead of the trainer, so its rows are stale: set rollout.max_staleness >= 1")
         queue = self.overlap.queue_size
-        _require(not (self.stale_policy == "wait" and queue is not None and queue > self.max_staleness),
-                 "rollout.overlap.queue_size", queue, f"under rollout.stale_policy=wait the engine generates at most "
-                 f"max_staleness={self.max_staleness} rollouts ahead; use a smaller queue or stale_policy=drop")
+        require(not (self.stale_policy == "wait" and queue is not None and queue > self.max_staleness),
+                "rollout.overlap.queue_size", queue, f"under rollout.stale_policy=wait the engine generates at most "
+                f"max_staleness={self.max_staleness} rollouts ahead; use a smaller queue or stale_policy=drop")
         for key, value, rule in (
                 ("filter_zero_std_groups", self.filter_zero_std_groups, "its further rounds are sampled within the "
                  "step, from the current weights"),
                 ("rescore", self.rescore, "a second engine would score in the trainer's process")):
-            _require(not value, f"rollout.{key}", value, f"not supported with rollout.async_mode=overlap: {rule}")
+            require(not value, f"rollout.{key}", value, f"not supported with rollout.async_mode=overlap: {rule}")
 
     @property
     def batch_size(self) -> int:
@@ -282,32 +282,32 @@ class TrainConfig:
     kl_to_initial: bool | None = None
 
     def __post_init__(self) -> None:
-        _require(self.on_reward_error in ("zero", "raise"), "train.on_reward_error", self.on_reward_error,
-                 "must be one of ['zero', 'raise']")
-        _require(isinstance(self.failure_stop_frac, (int, float)) and 0 < self.failure_stop_frac <= 1,
-                 "train.failure_stop_frac", self.failure_stop_frac, "must be a share in (0, 1]")
-        _require(self.kl_to_initial in (None, True, False), "train.kl_to_initial", self.kl_to_initial,
-                 "must be null, true or false")
+        require(self.on_reward_error in ("zero", "raise"), "train.on_reward_error", self.on_reward_error,
+                "must be one of ['zero', 'raise']")
+        require(isinstance(self.failure_stop_frac, (int, float)) and 0 < self.failure_stop_frac <= 1,
+                "train.failure_stop_frac", self.failure_stop_frac, "must be a share in (0, 1]")
+        require(self.kl_to_initial in (None, True, False), "train.kl_to_initial", self.kl_to_initial,
+                "must be null, true or false")
         for key in ("steps", "minibatches", "ckpt_every", "logprob_chunk_rows", "logprob_chunk_tokens",
                     "max_consecutive_skips"):
-            _positive_int(f"train.{key}", getattr(self, key))
-        _positive_int("train.eval_every", self.eval_every, minimum=0)
+            positive_int(f"train.{key}", getattr(self, key))
+        positive_int("train.eval_every", self.eval_every, minimum=0)
         if self.micro_batch_size is not None:
-            _positive_int("train.micro_batch_size", self.micro_batch_size)
-        _require(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, "train.lr", self.lr,
-                 "must be a finite number > 0")
-        _require(isinstance(self.grad_clip, (int, float)) and self.grad_clip >= 0, "train.grad_clip", self.grad_clip,
-                 "must be >= 0 (0 disables clipping)")
+            positive_int("train.micro_batch_size", self.micro_batch_size)
+        require(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, "train.lr", self.lr,
+                "must be a finite number > 0")
+        require(isinstance(self.grad_clip, (int, float)) and self.grad_clip >= 0, "train.grad_clip", self.grad_clip,
+                "must be >= 0 (0 disables clipping)")
 
     def check_against(self, rollout: RolloutConfig, world_size: int = 1) -> None:
         """Rules that involve both configs: mini-batches and ranks must divide the rollout batch."""
-        _require(rollout.batch_size % self.minibatches == 0, "train.minibatches", self.minibatches,
-                 f"must divide the rollout batch prompts_per_step x group_size = {rollout.batch_size}")
-        _require(rollout.prompts_per_step % world_size == 0, "rollout.prompts_per_step", rollout.prompts_per_step,
-                 f"must be divisible by the number of processes ({world_size}) so each rank holds whole groups")
+        require(rollout.batch_size % self.minibatches == 0, "train.minibatches", self.minibatches,
+                f"must divide the rollout batch prompts_per_step x group_size = {rollout.batch_size}")
+        require(rollout.prompts_per_step % world_size == 0, "rollout.prompts_per_step", rollout.prompts_per_step,
+                f"must be divisible by the number of processes ({world_size}) so each rank holds whole groups")
         per_rank = rollout.batch_size // world_size
-        _require(per_rank % self.minibatches == 0, "train.minibatches", self.minibatches,
-                 f"must divide each rank's rollout batch ({per_rank})")
+        require(per_rank % self.minibatches == 0, "train.minibatches", self.minibatches,
+                f"must divide each rank's rollout batch ({per_rank})")
 
 
 @dataclass
@@ -336,12 +336,12 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if self.replay is False:
             self.replay = "off"
-        _require(self.replay in REPLAY_MODES, "routing.replay", self.replay, f"must be one of {list(REPLAY_MODES)}")
+        require(self.replay in REPLAY_MODES, "routing.replay", self.replay, f"must be one of {list(REPLAY_MODES)}")
         if self.diagnostics_rows is not None:
-            _positive_int("routing.diagnostics_rows", self.diagnostics_rows)
-        _positive_int("routing.diagnostics_every", self.diagnostics_every)
+            positive_int("routing.diagnostics_rows", self.diagnostics_rows)
+        positive_int("routing.diagnostics_every", self.diagnostics_every)
 
     def check_against(self, rollout: RolloutConfig) -> None:
-        _require(not (self.replay == "r2" and rollout.logprobs_from_generation), "routing.replay", self.replay,
-                 "r2 records experts in the old-policy forward, which rollout.logprobs_from_generation=true skips; "
-                 "use r3 or turn logprobs_from_generation off")
+        require(not (self.replay == "r2" and rollout.logprobs_from_generation), "routing.replay", self.replay,
+                "r2 records experts in the old-policy forward, which rollout.logprobs_from_generation=true skips; "
+                "use r3 or turn logprobs_from_generation off")

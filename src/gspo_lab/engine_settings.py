@@ -14,14 +14,16 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 WEIGHT_BITS = (None, 8)  # rollout.engine.weight_bits
 
 
-def _require(ok: bool, key: str, value, rule: str) -> None:
+def require(ok: bool, key: str, value, rule: str) -> None:
+    """ValueError naming the setting `key`, its `value` and the `rule` it breaks, unless `ok`."""
     if not ok:
         raise ValueError(f"{key}={value!r} is invalid: {rule}")
 
 
-def _positive_int(key: str, value, minimum: int = 1) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, key, value,
-             f"must be an integer >= {minimum}")
+def positive_int(key: str, value, minimum: int = 1) -> None:
+    """`require` that the setting `key` is an integer >= `minimum`."""
+    require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, key, value,
+            f"must be an integer >= {minimum}")
 
 
 @dataclass
@@ -42,13 +44,13 @@ class EngineConfig:
     weight_bits: int | None = None
 
     def __post_init__(self) -> None:
-        _require(self.precision in PRECISIONS, "rollout.engine.precision", self.precision,
-                 f"must be one of {list(PRECISIONS)}")
+        require(self.precision in PRECISIONS, "rollout.engine.precision", self.precision,
+                f"must be one of {list(PRECISIONS)}")
         noise = self.router_noise
-        _require(isinstance(noise, (int, float)) and not isinstance(noise, bool) and math.isfinite(noise) and noise >= 0,
-                 "rollout.engine.router_noise", noise, "must be a finite number >= 0 (0: no noise)")
-        _require(self.weight_bits in WEIGHT_BITS, "rollout.engine.weight_bits", self.weight_bits,
-                 f"must be one of {list(WEIGHT_BITS)}")
+        require(isinstance(noise, (int, float)) and not isinstance(noise, bool) and math.isfinite(noise) and noise >= 0,
+                "rollout.engine.router_noise", noise, "must be a finite number >= 0 (0: no noise)")
+        require(self.weight_bits in WEIGHT_BITS, "rollout.engine.weight_bits", self.weight_bits,
+                f"must be one of {list(WEIGHT_BITS)}")
 
     @property
     def copies_weights(self) -> bool:
@@ -93,19 +95,19 @@ class VLLMConfig:
     lora_sync: str = "merged"
 
     def __post_init__(self) -> None:
-        _require(self.lora_sync in LORA_SYNCS, "rollout.vllm.lora_sync", self.lora_sync,
-                 f"must be one of {list(LORA_SYNCS)}")
-        _require(self.dtype in (None, "float32", "bfloat16", "float16"), "rollout.vllm.dtype", self.dtype,
-                 "must be null, float32, bfloat16 or float16")
+        require(self.lora_sync in LORA_SYNCS, "rollout.vllm.lora_sync", self.lora_sync,
+                f"must be one of {list(LORA_SYNCS)}")
+        require(self.dtype in (None, "float32", "bfloat16", "float16"), "rollout.vllm.dtype", self.dtype,
+                "must be null, float32, bfloat16 or float16")
         if self.max_model_len is not None:
-            _positive_int("rollout.vllm.max_model_len", self.max_model_len)
+            positive_int("rollout.vllm.max_model_len", self.max_model_len)
         utilisation = self.gpu_memory_utilization
-        _require(isinstance(utilisation, (int, float)) and 0 < utilisation <= 1, "rollout.vllm.gpu_memory_utilization",
-                 utilisation, "must satisfy 0 < gpu_memory_utilization <= 1")
-        _positive_int("rollout.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb)
+        require(isinstance(utilisation, (int, float)) and 0 < utilisation <= 1, "rollout.vllm.gpu_memory_utilization",
+                utilisation, "must satisfy 0 < gpu_memory_utilization <= 1")
+        positive_int("rollout.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb)
         for key in ("enforce_eager", "enable_prefix_caching"):
-            _require(isinstance(getattr(self, key), bool), f"rollout.vllm.{key}", getattr(self, key),
-                     "must be true or false")
+            require(isinstance(getattr(self, key), bool), f"rollout.vllm.{key}", getattr(self, key),
+                    "must be true or false")
 
 
 # rollout.async_mode values: lagged (deterministic; gspo_lab.rollout.sources.lagged), overlap (generation beside
@@ -139,12 +141,13 @@ class OverlapConfig:
 
     def __post_init__(self) -> None:
         if self.queue_size is not None:
-            _positive_int("rollout.overlap.queue_size", self.queue_size)
+            positive_int("rollout.overlap.queue_size", self.queue_size)
         cores = self.engine_cores
-        _require(cores is None or (len(cores) > 0 and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
-                                                           for c in cores)),
-                 "rollout.overlap.engine_cores", cores, "must be null or a non-empty list of core numbers (integers >= 0)")
+        require(cores is None or (len(cores) > 0 and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                                          for c in cores)),
+                "rollout.overlap.engine_cores", cores,
+                "must be null or a non-empty list of core numbers (integers >= 0)")
         if cores is not None:
             self.engine_cores = list(cores)
-        _require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "rollout.overlap.timeout_s",
-                 self.timeout_s, "must be a number > 0")
+        require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "rollout.overlap.timeout_s",
+                self.timeout_s, "must be a number > 0")
