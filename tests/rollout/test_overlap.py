@@ -210,14 +210,15 @@ def test_new_weights_interrupt_a_partial_rollout_which_goes_on_under_them(compos
 
 
 @pytest.mark.vllm
-def test_a_multi_turn_run_overlaps_with_its_tools_in_the_engine_process(compose, tool_rl, updated_batches):
+def test_a_multi_turn_run_overlaps_with_its_tools_in_the_engine_process(compose, tool_rl, tmp_path,
+                                                                         updated_batches):
     """task=calculator with a TRL-style tool and environment (tests/conftest.py's tool_rl), k = 1: the engine
     process runs the turns and its own tool workers while the trainer trains. Trajectories call tools, the tools'
     tokens are out of the loss with engine log-prob 0, every token records its version, none more than 1 old, and
     the run trains."""
     pytest.importorskip("vllm")
     run, module, _ = build(compose(tool_rl + overlap(1, "model.config.head_dim=32")
-                                   + ["train.steps=3", "train.eval_every=0"]))
+                                   + ["train.steps=3", "train.eval_every=0", f"paths.output_dir={tmp_path}"]))
     starting = [p.detach().clone() for p in module.model.parameters()]
     run.trainer.fit(module)
     assert all(row["tools/call_frequency"] > 0 and row["off_policy/staleness_max"] <= 1 for row in module.history)
