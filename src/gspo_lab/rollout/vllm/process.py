@@ -260,7 +260,10 @@ class Engine:
                 self.handle(self.next_message())
 
     def drain(self) -> None:
-        """Handle every message already here: the newest weights before the next rollout."""
+        """Handle every message already here: the newest weights before the next rollout. A trainer process that
+        is gone stops the engine (a partial rollout drains between engine steps and never waits for a message)."""
+        if os.getppid() != self.spec.parent:
+            self.stopping = True
         while True:
             try:
                 self.handle(self.requests.get_nowait())
