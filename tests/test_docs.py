@@ -139,7 +139,8 @@ COMMITTED_STUDIES = {"paper_main": "algorithm=gspo", "routing_replay": "algorith
                      "multi_turn/calculator": "algorithm=gspo", "multi_turn/guess_number": "algorithm=gspo",
                      "staleness": "algorithm=gspo correction=bypass rollout.max_staleness=0",
                      "overoptimization": "algorithm=gspo objective.beta=0.0",
-                     "engine_r3": "algorithm=grpo_rr"}
+                     "engine_r3": "algorithm=grpo_rr",
+                     "partial_rollouts": "algorithm=gspo correction=bypass rollout.max_staleness=0"}
 # a study's other gspo-report options, where it has any (a folder below a study: one of its tasks)
 CLIP_LR = {"grid": ("train.lr", "clip_scale"), "grid_baseline": "1.0", "setting_figures": False}
 STUDY_OPTIONS = {"entropy": {"metric": "entropy"}, "clip_lr/byo": CLIP_LR, "clip_lr/default": CLIP_LR,
