@@ -135,11 +135,11 @@ def version_metrics(versions: Tensor, mask: Tensor, step: int, max_staleness: in
     row_age = (step - first).clamp(min=0)  # [B]
     # distinct versions per row, over its model tokens (a multi-turn row's tool tokens between them do not count)
     distinct = torch.stack([((age == a) & real).any(-1) for a in range(oldest + 1)]).sum(0).float()  # [B]
-    tokens = real.sum().clamp(min=1)
+    tokens = max(int(real.sum()), 1)
     return {
         "off_policy/staleness_mean": row_age.float().mean().item(),
         "off_policy/staleness_max": float(oldest),
-        "off_policy/token_staleness_mean": (age.sum() / tokens).item(),
+        "off_policy/token_staleness_mean": int(age.sum()) / tokens,
         "off_policy/versions_per_sequence_mean": distinct.mean().item(),
         "off_policy/versions_per_sequence_max": distinct.max().item(),
         "off_policy/mixed_frac": (newest > first).float().mean().item(),
