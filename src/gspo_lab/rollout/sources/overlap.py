@@ -1,7 +1,7 @@
 """rollout.async_mode=overlap: a vLLM engine in a process of its own (gspo_lab.rollout.vllm.process) generates the
 next steps' rollouts while the trainer trains, at most rollout.max_staleness = k weight versions old.
 
-At the start of RL step t the trainer holds weight version t. `OverlapRollouts.generated(t)`:
+At the start of RL step t the trainer holds weight version t. `OverlapSource.generated(t, examples)`:
 
 1. pushes version t to the engine (a host copy, broadcast in the background);
 2. keeps the engine `queue_size` rollouts ahead: it submits the rollouts of steps up to t + queue_size that are not
