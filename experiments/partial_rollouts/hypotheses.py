@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from gspo_lab.report.run import open_metrics
-from gspo_lab.report.runs import run_dirs
+from gspo_lab.report.runs import load_run, run_dirs
 from gspo_lab.report.stats import mean_interval
 
 STEP_MEANS = ("clip/frac", "clip/frac_low", "clip/frac_high", "off_policy/token_staleness_mean",
@@ -52,12 +51,12 @@ def arm_of(overrides: dict[str, str]) -> str:
 def arms_of(root: Path) -> dict[tuple, dict[int, dict]]:
     """(algorithm, correction, arm) -> seed -> run_numbers, for every finished run dir under `root`."""
     arms: dict[tuple, dict[int, dict]] = {}
-    for run in run_dirs(root):
-        if (run / "failed.txt").exists():
+    for run in map(load_run, run_dirs(root)):
+        if run.failed:
             continue
-        overrides = dict(o.split("=", 1) for o in yaml.safe_load(open(run / ".hydra/overrides.yaml")))
+        overrides = dict(o.split("=", 1) for o in run.overrides)  # the run's, seed aside (gspo_lab.report.runs)
         arm = (overrides["algorithm"], overrides["correction"], arm_of(overrides))
-        arms.setdefault(arm, {})[int(overrides["seed"])] = run_numbers(run)
+        arms.setdefault(arm, {})[run.seed] = run_numbers(run.path)
     return arms
 
 

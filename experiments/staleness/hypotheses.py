@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from gspo_lab.report.run import open_metrics
-from gspo_lab.report.runs import run_dirs
+from gspo_lab.report.runs import load_run, run_dirs
 from gspo_lab.report.stats import mean_interval
 
 STEP_MEANS = ("clip/frac", "off_policy/staleness_mean", "mismatch/seq_log_ratio_abs", "ratio/seq/max",
@@ -54,12 +53,12 @@ def run_numbers(run: Path) -> dict[str, float]:
 def arms_of(root: Path) -> dict[tuple, dict[int, dict]]:
     """arm (the KEYS' values) -> seed -> run_numbers, for every run dir under `root` (at any depth)."""
     arms: dict[tuple, dict[int, dict]] = {}
-    for run in run_dirs(root):
-        if (run / "failed.txt").exists():
+    for run in map(load_run, run_dirs(root)):
+        if run.failed:
             continue
-        overrides = dict(o.split("=", 1) for o in yaml.safe_load(open(run / ".hydra/overrides.yaml")))
+        overrides = dict(o.split("=", 1) for o in run.overrides)  # the run's, seed aside (gspo_lab.report.runs)
         arm = tuple(overrides.get(k, DEFAULTS.get(k, "")) for k in KEYS)
-        arms.setdefault(arm, {})[int(overrides["seed"])] = run_numbers(run)
+        arms.setdefault(arm, {})[run.seed] = run_numbers(run.path)
     return arms
 
 
