@@ -92,11 +92,11 @@ class InProcess:
         if self.rescorer is not None:
             self.rescorer.sync()
 
-    def generate(self, examples: list[Example], seeds: Tensor, sampling: Sampling | None = None) -> Generated:
+    def generate(self, examples: list[Example], seeds: Tensor) -> Generated:
         """One completion per example, row n from `seeds[n]`, in calls of rollout.generation_batch_size rows
         (through the multi-turn loop for a task with tools)."""
         rows = self.rows
-        return generate_rows(self.backend, rows.tokenizer, rows.render, examples, sampling or self.sampling, seeds,
+        return generate_rows(self.backend, rows.tokenizer, rows.render, examples, self.sampling, seeds,
                              self.batch_size, self.routing, self.agent)
 
     def rescored(self, generated: Generated, metrics: dict[str, float]) -> tuple[Generated, dict[str, float]]:
