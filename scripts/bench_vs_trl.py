@@ -33,6 +33,10 @@ allocated memory on a GPU. `--lengths` repeats every run at several completion l
 TRL's max_completion_length). Both sides split a mini-batch the workload's way: gspo-lab in
 train.micro_batch_size rows (log-probs train.logprob_chunk_tokens positions at a time), TRL in
 per_device_train_batch_size = the same rows with gradient_accumulation_steps to the mini-batch.
+`--padded` adds a gspo-lab run with train.padding_free=false to each round (padded forwards against packed ones,
+gspo_lab.rollout.packing; the floor follows the workload's train.padding_free). `--workload bench_varlen` answers
+of 10 to 400 tokens replayed from a file (conf/experiment/bench_varlen.yaml): gspo-lab's runs only, as the floor
+and TRL generate their own completions.
 `--paired` times gspo-lab against its floor alone, their steps alternated one by one in one process per round
 (`time_paired`): this CPU's speed moves 20-40% between runs a minute apart, which separate processes cannot tell
 from a difference between the sides; the paired ratio can.
@@ -42,6 +46,8 @@ Its TRL runs need the `bench` extra (pip install -e ".[bench]"); without it the 
     python scripts/bench_vs_trl.py --workload bench_vocab --steps 4 --rounds 1 --lengths 128 256 512 1024
     python scripts/bench_vs_trl.py --workload bench_paper --steps 8 --rounds 3
     python scripts/bench_vs_trl.py --workload bench_gpu --rounds 3 trainer=gpu   # on a GPU node
+    python scripts/bench_vs_trl.py --workload bench_varlen --padded --steps 6 --rounds 3   # packed vs padded
+    python scripts/bench_vs_trl.py --workload bench_paper --padded --steps 8 --rounds 3
     python scripts/bench_vs_trl.py rollout.logprobs_from_generation=false   # gspo-lab with a second forward
     python scripts/bench_vs_trl.py --paired --steps 23 --rounds 4   # gspo-lab against its floor, step by step
                                     # (23 steps: 20 timed, every 4th with bench_anchor's routing forward)
@@ -164,7 +170,7 @@ def floor_step(workload: str, steps: int, shared: list[str]) -> Callable[[], tup
             for rows in minibatch.split(train_cfg.micro_batch_size or len(minibatch)):
                 logp, _ = token_logprobs(model, ids[rows], mask[rows], new_tokens, rollout.temperature,
                                          train_cfg.logprob_chunk_rows, share_prompts=train_cfg.share_prompt_forward,
-                                         chunk_tokens=train_cfg.logprob_chunk_tokens)
+                                         chunk_tokens=train_cfg.logprob_chunk_tokens, packed=module.policy.packed)
                 (logp * mask[rows, prompt_len:]).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -311,8 +317,9 @@ def run_one(side: str, args) -> None:
         paired = time_paired(args.workload, args.steps, args.warmup, args.overrides + length, shared + length)
         print("RESULT " + json.dumps(paired), flush=True)
         return
-    if side == "gspo-lab":
-        seconds = time_gspo_lab(args.workload, args.steps, args.warmup, args.overrides + length, peaks)
+    if side.startswith("gspo-lab"):  # "gspo-lab padded": train.padding_free=false (--padded)
+        padded = ["train.padding_free=false"] if side.endswith("padded") else []
+        seconds = time_gspo_lab(args.workload, args.steps, args.warmup, args.overrides + length + padded, peaks)
     elif side == "floor":
         seconds = time_floor(args.workload, args.steps, args.warmup, shared + length, peaks)
     else:  # "TRL" or "TRL <experts kernel>"
@@ -335,15 +342,23 @@ def child(side: str, length: int | None, seed: int, args) -> dict[str, float]:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def sides_of(workload: str) -> list[str]:
-    """gspo-lab, its floor and TRL, twice for a MoE model (transformers' expert kernel and gspo-lab's); without
-    TRL installed (the `bench` extra) the first two, said on stdout."""
+def sides_of(workload: str, padded: bool) -> list[str]:
+    """gspo-lab (and with `padded` gspo-lab with train.padding_free=false), its floor and TRL, twice for a MoE model
+    (transformers' expert kernel and gspo-lab's); without TRL installed (the `bench` extra) no TRL, and for a
+    workload that replays recorded completions (bench_varlen) gspo-lab's runs only, each said on stdout."""
     with tempfile.TemporaryDirectory() as out:
-        moe = is_moe(instantiate(workload_config(workload, out, 1).model).skeleton())
+        cfg = workload_config(workload, out, 1)
+        moe = is_moe(instantiate(cfg.model).skeleton())
+    lab = ["gspo-lab", "gspo-lab padded"] if padded else ["gspo-lab"]
+    if cfg.rollout.backend == "replay":
+        print(f"{workload} replays recorded completions (rollout.backend=replay), which the floor (it generates) and "
+              "TRL's GRPOTrainer (it always generates; TRL 1.16's GRPOConfig has no padding_free) cannot: gspo-lab "
+              "only", flush=True)
+        return lab
     if importlib.util.find_spec("trl") is None:
         print("TRL is not installed (pip install -e '.[bench]'): gspo-lab and its floor only", flush=True)
-        return ["gspo-lab", "floor"]
-    return ["gspo-lab", "floor"] + (["TRL grouped_mm", "TRL index_add"] if moe else ["TRL"])
+        return [*lab, "floor"]
+    return [*lab, "floor"] + (["TRL grouped_mm", "TRL index_add"] if moe else ["TRL"])
 
 
 def main() -> None:
@@ -354,6 +369,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the runs")
     parser.add_argument("--lengths", type=int, nargs="*", default=[None],
                         help="completion lengths (rollout.max_new_tokens) to run at; default the workload's")
+    parser.add_argument("--padded", action="store_true",
+                        help="also time gspo-lab with train.padding_free=false, alternated with the rest")
     parser.add_argument("--paired", action="store_true",
                         help="gspo-lab against its floor only, their steps alternated one by one in one process")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -368,7 +385,7 @@ def main() -> None:
         return run_one(args.child, args)
     if args.paired:
         return paired(args)
-    sides = sides_of(args.workload)
+    sides = sides_of(args.workload, args.padded)
     results: dict[tuple[int | None, str], list[dict[str, float]]] = {}
     for round_, length in itertools.product(range(args.rounds), args.lengths):
         for side in sides:
@@ -387,7 +404,15 @@ def main() -> None:
             f"{side} {m['seconds']:.3f} s {m['peak_mib']:.0f} (+{m['rise_mib']:.0f}) MiB"
             for side, m in median.items()))
         lab = median["gspo-lab"]
-        print(f"    gspo-lab at {median['floor']['seconds'] / lab['seconds']:.0%} of the floor")
+        if "gspo-lab padded" in median:
+            padded = median["gspo-lab padded"]
+            ratios = [p["seconds"] / g["seconds"] for g, p in zip(results[length, "gspo-lab"],
+                                                                   results[length, "gspo-lab padded"])]
+            print(f"    packed (train.padding_free=true) is {padded['seconds'] / lab['seconds']:.2f}x faster than "
+                  f"padded (rounds {min(ratios):.2f}-{max(ratios):.2f}x), peak memory {lab['peak_mib']:.0f} against "
+                  f"{padded['peak_mib']:.0f} MiB (rise {lab['rise_mib']:.0f} against {padded['rise_mib']:.0f})")
+        if "floor" in median:
+            print(f"    gspo-lab at {median['floor']['seconds'] / lab['seconds']:.0%} of the floor")
         for trl in (side for side in sides if side.startswith("TRL")):
             print(f"    gspo-lab is {median[trl]['seconds'] / lab['seconds']:.2f}x faster than {trl} "
                   f"(the floor would be {median[trl]['seconds'] / median['floor']['seconds']:.2f}x) and uses "

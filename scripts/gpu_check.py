@@ -125,6 +125,8 @@ class Settings:
                     "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8"]
         if name == "bench_vocab":
             return ["model.config.vocab_size=4096", "rollout.max_new_tokens=16", "train.logprob_chunk_tokens=8"]
+        if name == "bench_varlen":
+            return ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=64"]
         raise ValueError(f"gpu_check: no tiny size for workload {name!r}")
 
     def steps(self, gpu: int, tiny: int = 3) -> int:
@@ -534,6 +536,15 @@ def bench_vocab(settings: Settings, timeout: float) -> str:
     return block(output, lambda line: not line.startswith("  floor: decoding"))
 
 
+def padding_free(settings: Settings, timeout: float) -> str:
+    """Packed against padded forwards (train.padding_free) on the variable-length workload, answers of 10 to 400
+    tokens; on a GPU transformers' sdpa runs the packed rows' block-diagonal mask."""
+    output = script("bench_vs_trl.py", "--workload", "bench_varlen", "--padded", "--steps", str(settings.steps(6)),
+                    "--warmup", "2" if not settings.tiny else "1", "--rounds", "1" if settings.tiny else "2",
+                    *settings.trainer(), *settings.workload("bench_varlen"), timeout=timeout)
+    return block(output)
+
+
 @dataclass(frozen=True)
 class Step:
     name: str
@@ -547,6 +558,8 @@ STEPS = [
     Step("matmul", "MFU yardstick", matmul, 30),
     Step("decode", "Decode kernels and ms per decode step (bench_gpu, bench_vocab)", decode, 110),  # 105 s
     Step("bench_gpu", "bench_gpu against its floor and TRL", bench_gpu, 300),  # two rounds ran past 364 s
+    Step("padding_free", "Packed against padded forwards (bench_varlen, answers of 10-400 tokens)", padding_free,
+         120),  # a guess: never run on a GPU (about 60 s on this CPU's 2 cores at full size)
     Step("vocab_timing", "bench_vocab per step: timed run and plain run", vocab_timing, 120),
     Step("exactness", "bf16 old log-probs (bench_gpu)", exactness, 50),  # 44 s
     Step("vllm_bf16_mixed", "vLLM under bf16-mixed: float32 and bfloat16 engines (tiny_moe)", vllm_bf16_mixed,

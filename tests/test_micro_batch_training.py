@@ -16,7 +16,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from gspo_lab.decoder import decoder_of
 from gspo_lab.rollout.batch import RolloutBatch
+from gspo_lab.step.budget import micro_batch_parts
 from gspo_lab.train import ConfigError, build, plan
+
+
+# real tokens per micro-batch: the fast run's rows hold 13-15 tokens, 4 per rank and mini-batch, so that a pair
+# fits one budget or not by a token or two, and the ranks' counts differ (at 26, half of the (rank, mini-batch)
+# pairs added one micro-batch to match the other rank; at 27, a quarter)
+DDP_BUDGETS = (26, 27)
 
 
 def first_step_gradients(compose, overrides: list[str], callbacks: tuple = ()) -> list[torch.Tensor]:
@@ -55,6 +62,45 @@ def test_the_update_does_not_depend_on_the_micro_batch_size(replay, compose, rl_
         for got, expected in zip(gradients[size], whole):
             # float32 sums of a few hundred terms in another grouping: a few eps of the tensor's largest entry
             torch.testing.assert_close(got, expected, rtol=0, atol=64 * 1.2e-7 * expected.abs().max().item() + 1e-12)
+
+
+@pytest.mark.parametrize("replay", ["off", "r3"])
+def test_the_update_does_not_depend_on_the_token_budget_or_on_padding(replay, compose, rl_overrides, tmp_path):
+    """The 8-row mini-batches whole and padded, against packed forwards (train.padding_free) in micro-batches of
+    one row each (a budget of 1 token), of a budget that groups 2-3 rows (40 tokens), and whole: the same gradient
+    to float32 rounding, routing replay (r3) included. The normalisers count the mini-batch, not a micro-batch."""
+    gradients = {}
+    runs = {"padded": ["train.padding_free=false"], "1": ["train.micro_batch_tokens=1"],
+            "40": ["train.micro_batch_tokens=40"], "packed": ["train.padding_free=true"]}
+    for name, extra in runs.items():
+        overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")]
+        gradients[name] = first_step_gradients(compose, overrides + extra + [
+            "train.steps=1", f"routing.replay={replay}", f"paths.output_dir={tmp_path / name}"])
+    whole = gradients["padded"]
+    assert max(g.abs().max().item() for g in whole) > 0
+    for name in ("1", "40", "packed"):
+        assert len(gradients[name]) == len(whole)
+        for got, expected in zip(gradients[name], whole):
+            # other shapes and groupings of the same sums: rounding of the tensor's largest entry
+            torch.testing.assert_close(got, expected, rtol=0, atol=256 * 1.2e-7 * expected.abs().max().item() + 1e-12)
+
+
+def test_a_token_budget_groups_rows_in_order_and_matches_the_other_ranks_count():
+    """Rows of 5, 9, 3, 3 and 7 tokens under a budget of 12: [0], [1, 2], [3, 4], in order. A rank that must run 5
+    micro-batches splits its heaviest groups, then repeats its last one with weight 0; the counted parts still
+    hold every row once, in order, and the added ones are marked."""
+    mask = torch.zeros(5, 9, dtype=torch.long)
+    for row, length in enumerate([5, 9, 3, 3, 7]):
+        mask[row, -length:] = 1
+    parts = micro_batch_parts(mask, None, 12)
+    assert [p.rows for p in parts] == [[0], [1, 2], [3, 4]] and not any(p.added for p in parts)
+    parts = micro_batch_parts(mask, None, 12, agree=lambda count: count + 2)
+    assert [p.rows for p in parts] == [[0], [1], [2], [3], [4]]
+    assert [p.added for p in parts] == [False, False, True, False, True]
+    parts = micro_batch_parts(mask, None, 12, agree=lambda count: 7)
+    assert [(p.rows, p.weight) for p in parts][-2:] == [([4], False), ([4], False)]
+    assert [r for p in parts if p.weight for r in p.rows] == [0, 1, 2, 3, 4]
+    assert [p.rows for p in micro_batch_parts(mask, 2, None)] == [[0, 1], [2, 3], [4]]
 
 
 class CountAllReduces(L.Callback):
@@ -145,23 +191,30 @@ def test_an_aggregation_without_a_denominator_is_refused_with_micro_batches(comp
 
 @pytest.mark.slow
 def test_ddp_ranks_accumulate_micro_batches_to_the_same_update(rl_overrides, tmp_path):
-    """Two gloo ranks, each with its share of the prompts in micro-batches of 2 rows: the same metrics as whole
-    mini-batches to float rounding, and the ranks identical."""
+    """Two gloo ranks, each with its share of the prompts, padded and whole against: micro-batches of 2 rows, and
+    packed forwards in micro-batches of a token budget, where the ranks' counts differ (one rank's lengths need more
+    micro-batches; the other splits to match, train/micro_batches_added > 0) and neither waits on a collective the
+    other skips: the same metrics to float rounding, and the ranks identical."""
     rows = {}
-    for size in ("null", "2"):
-        run_dir = tmp_path / size
+    runs = {"whole": ["train.padding_free=false"], "2": ["train.micro_batch_size=2"],
+            **{str(budget): [f"train.micro_batch_tokens={budget}"] for budget in DDP_BUDGETS}}
+    for name, extra in runs.items():
+        run_dir = tmp_path / name
         overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")]
         result = subprocess.run(
             [sys.executable, "-m", "gspo_lab.train", *overrides, "trainer=ddp", "trainer.devices=2", "train.steps=1",
-             "train.eval_every=1", f"train.micro_batch_size={size}", f"hydra.run.dir={run_dir}"],
+             "train.eval_every=1", *extra, f"hydra.run.dir={run_dir}"],
             cwd=tmp_path, env={**os.environ, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         with open(run_dir / "metrics.csv", newline="") as file:
-            rows[size] = list(csv.DictReader(file))
-    whole, micro = rows["null"], rows["2"]
-    assert float(micro[-1]["params/rank_spread"]) == 0
-    for key in ("loss/total", "loss/policy", "grad_norm", "clip/frac", "entropy", "ratio/seq/mean"):
-        assert float(micro[0][key]) == pytest.approx(float(whole[0][key]), rel=1e-4, abs=1e-6), key
+            rows[name] = list(csv.DictReader(file))
+    whole = rows["whole"]
+    budgets = [rows[str(budget)][0] for budget in DDP_BUDGETS]
+    assert max(float(row["train/micro_batches_added"]) for row in budgets) > 0  # the ranks' own counts differed
+    for micro in (rows["2"], *(rows[str(budget)] for budget in DDP_BUDGETS)):
+        assert float(micro[-1]["params/rank_spread"]) == 0
+        for key in ("loss/total", "loss/policy", "grad_norm", "clip/frac", "entropy", "ratio/seq/mean"):
+            assert float(micro[0][key]) == pytest.approx(float(whole[0][key]), rel=1e-4, abs=1e-6), key
 
 
 @pytest.mark.parametrize("replay", ["off", "r2"])

@@ -9,8 +9,10 @@ import torch
 from hydra.utils import instantiate
 
 from gspo_lab.cold_start import policy_from_config
+from gspo_lab.rollout import token_logprobs
+from gspo_lab.rollout.generation import position_ids
 from gspo_lab.train import ConfigError, build, plan, train
-from tests.numerics import RATIO_ROUNDING
+from tests.numerics import RATIO_ROUNDING, assert_rounding_close, logit_scale
 from tests.test_train import read_rows, without_timing
 
 
@@ -57,6 +59,18 @@ def test_the_tools_tokens_are_attended_and_out_of_the_loss(compose, tool_rl, tmp
         results.append((out.loss.item(), grad))
     assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
     assert results[0][1][tools].eq(0).all()
+    # padding-free (train.padding_free): the multi-turn rows packed give the padded log-probs at every model and
+    # tool token, and the same loss, per turn-sequence
+    module.model.eval()
+    with torch.no_grad():
+        rows = [token_logprobs(module.model, batch.input_ids, batch.attention_mask, batch.completion_len,
+                               packed=packed)[0] for packed in (False, True)]
+        logits = module.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=position_ids(batch.attention_mask)).logits
+        losses = [module.objective(logp, batch.old_logp, batch.advantages, batch.loss_mask, turns=batch.turns).loss
+                  for logp in rows]
+    assert_rounding_close(rows[1][attended], rows[0][attended], scale=logit_scale(logits), units=16)
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The RL step's numbers are its contract: seven short runs, one per part of the step that a change to its structure
+"""The RL step's numbers are its contract: eight short runs, one per part of the step that a change to its structure
 could disturb, write the metrics.csv recorded in tests/golden/step/ (time columns aside; the vLLM run under make
 test-vllm).
 
@@ -30,15 +30,20 @@ from gspo_lab.train import train
 GOLDENS = Path(__file__).parent / "golden" / "step"
 RECORDING = os.environ.get("GSPO_RECORD_GOLDENS") == "1"
 
+# the recordings since issue 48 are of padded forwards, and still bind them (train.padding_free=false); "packed"
+# records the padding-free step (issue 65) with routing replay and micro-batches by a token budget
+PADDED = ["train.padding_free=false"]
 RUNS = {
-    "gspo": [],
-    "grpo_r2": ["algorithm=grpo_rr"],
-    "dapo_dynamic_sampling": ["algorithm=dapo", "rollout.filter_zero_std_groups=true", "rollout.max_sampling_rounds=3"],
-    "micro_batched": ["train.micro_batch_size=3"],
-    "kl_lora": ["objective.beta=0.04", "model.lora.enabled=true", "model.lora.rank=4"],
-    "bf16_engine": ["rollout.engine.precision=bf16"],
+    "gspo": PADDED,
+    "grpo_r2": ["algorithm=grpo_rr", *PADDED],
+    "dapo_dynamic_sampling": ["algorithm=dapo", "rollout.filter_zero_std_groups=true", "rollout.max_sampling_rounds=3",
+                              *PADDED],
+    "micro_batched": ["train.micro_batch_size=3", *PADDED],
+    "kl_lora": ["objective.beta=0.04", "model.lora.enabled=true", "model.lora.rank=4", *PADDED],
+    "bf16_engine": ["rollout.engine.precision=bf16", *PADDED],
     # make test-vllm: vLLM's CPU build in .venv-vllm; float32, a head size its CPU kernels take
-    "vllm": ["rollout.backend=vllm", "model.config.head_dim=32"],
+    "vllm": ["rollout.backend=vllm", "model.config.head_dim=32", *PADDED],
+    "packed": ["algorithm=grpo_rr", "train.micro_batch_tokens=40"],
 }
 NEEDS_VLLM = [pytest.mark.vllm, pytest.mark.skipif(not vllm_setup.available(), reason=vllm_setup.INSTALL)]
 # a run's own clock: the rest of every row is a function of the seed

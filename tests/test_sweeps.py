@@ -50,7 +50,7 @@ def test_every_experiment_is_tested():
                        "multi_turn_calculator", "multi_turn_guess_number", "objective_zoo", "objective_zoo_long",
                        "off_policy", "overoptimization", "paper_main", "partial_rollouts", "precision", "real_engine",
                        "routing_replay", "stability", "staleness"]
-    assert SINGLE_RUNS == ["bench_anchor", "bench_gpu", "bench_paper", "bench_vocab"]
+    assert SINGLE_RUNS == ["bench_anchor", "bench_gpu", "bench_paper", "bench_varlen", "bench_vocab"]
 
 
 @pytest.mark.slow

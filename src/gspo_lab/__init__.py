@@ -18,6 +18,8 @@ OmegaConf.register_new_resolver("mul", lambda a, b: a * b, replace=True)
 OmegaConf.register_new_resolver("idiv", lambda a, b: a // b, replace=True)
 # ${is_set:value}: whether a key holds a value (experiment=partial_rollouts: rollout.partial where segment_tokens is set)
 OmegaConf.register_new_resolver("is_set", lambda value: value is not None, replace=True)
+# ${config_dir:}: the folder of these configs (conf/experiment/bench_varlen.yaml's recorded completions sit there)
+OmegaConf.register_new_resolver("config_dir", lambda: CONFIG_DIR, replace=True)
 # ${truncate:text,n}: sweep subdir names stay under the 255-byte file-name limit however many overrides
 OmegaConf.register_new_resolver("truncate", lambda text, n: str(text)[:n], replace=True)
 

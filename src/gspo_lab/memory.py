@@ -69,6 +69,8 @@ def estimate_memory(cfg: DictConfig, shape: ModelShape, gpus: int, prompt_tokens
     generate_rows = min(rollout.generation_batch_size or rank_rows, rank_rows)
     kv_cache = shape.layers * 2 * shape.kv_heads * shape.head_dim * FLOAT32 * generate_rows * tokens
     forward_rows = train.micro_batch_size or rank_rows // train.minibatches
+    if train.get("micro_batch_tokens"):  # a budget of real tokens: at most this many padded-width rows' worth
+        forward_rows = max(1, min(forward_rows, train.micro_batch_tokens // tokens))
     checkpoints = shape.layers * forward_rows * tokens * shape.hidden * FLOAT32
     positions = min(train.logprob_chunk_tokens, min(train.logprob_chunk_rows, forward_rows) * rollout.max_new_tokens)
     logits = positions * shape.vocab * FLOAT32 * 3

@@ -82,8 +82,9 @@ def plan(cfg: DictConfig) -> Plan:
         warn_inexact_old_logprobs(parts["rollout"].logprobs_from_generation,
                                   "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu",
                                   str(trainer.precision))
-        if parts["train"].micro_batch_size is not None:
-            check_splittable(parts["objective"])
+        if parts["train"].micro_batch_size is not None or parts["train"].micro_batch_tokens is not None:
+            check_splittable(parts["objective"], "train.micro_batch_size" if parts["train"].micro_batch_size
+                             else "train.micro_batch_tokens")
         check_multi_turn(parts["task"], parts["rollout"], parts["rewards"])
         check_versions(parts["rollout"], parts["routing"])
         check_answers(parts["task"], cfg, model_source, parts["train"], parts["evaluation"])

@@ -15,37 +15,35 @@ import torch
 from torch import Tensor
 
 
-
-def denominator(objective, mask: Tensor) -> Tensor:
+def denominator(objective, mask: Tensor, key: str = "train.micro_batch_size") -> Tensor:
     """The objective's aggregation count D of a batch with this mask (float64); ValueError for an aggregation
     without `denominator` (a user's), which cannot be split into micro-batches."""
     count = getattr(objective.aggregation, "denominator", None)
     if count is None:
-        raise ValueError(f"train.micro_batch_size: the aggregation {type(objective.aggregation).__name__} of "
+        raise ValueError(f"{key}: the aggregation {type(objective.aggregation).__name__} of "
                          f"{objective.label} has no denominator(mask), the count its sum is divided by, so a "
-                         "mini-batch cannot be split into micro-batches exactly; add one, or set "
-                         "train.micro_batch_size=null")
+                         f"mini-batch cannot be split into micro-batches exactly; add one, or set {key}=null")
     return count(mask)
 
 
-def check_splittable(objective) -> None:
-    """At plan time, with train.micro_batch_size set: raise the `denominator` error, or refuse a surrogate that
-    selects tokens over the whole mini-batch (`whole_batch`: Clip-Cov, KL-Cov) or a top-entropy mask
-    (objective.top_entropy_quantile < 1), as micro-batches select others."""
+def check_splittable(objective, key: str = "train.micro_batch_size") -> None:
+    """At plan time, with `key` (train.micro_batch_size or train.micro_batch_tokens) set: raise the `denominator`
+    error, or refuse a surrogate that selects tokens over the whole mini-batch (`whole_batch`: Clip-Cov, KL-Cov) or
+    a top-entropy mask (objective.top_entropy_quantile < 1), as micro-batches select others."""
     surrogate = getattr(objective, "surrogate", None)
     if getattr(surrogate, "whole_batch", False):
-        raise ValueError(f"train.micro_batch_size is set, but objective={objective.label} "
+        raise ValueError(f"{key} is set, but objective={objective.label} "
                          f"({type(surrogate).__name__}) selects tokens by their covariance over the whole mini-batch "
                          "(objective.surrogate.select_frac of its valid tokens), which micro-batches cannot "
-                         "reproduce; set train.micro_batch_size=null or choose another objective")
+                         f"reproduce; set {key}=null or choose another objective")
     if getattr(objective, "top_entropy_quantile", 1.0) < 1:
         raise ValueError(f"objective.top_entropy_quantile={objective.top_entropy_quantile!r} is invalid with "
-                         "train.micro_batch_size set: the policy loss keeps the tokens whose entropy is in the top "
+                         f"{key} set: the policy loss keeps the tokens whose entropy is in the top "
                          "quantile of one forward's tokens (TRL: of its micro-batch), so micro-batches would keep "
                          "other tokens than their mini-batch and the update would depend on a memory setting; set "
-                         "train.micro_batch_size=null")
+                         f"{key}=null")
     if getattr(objective.aggregation, "denominator", None) is None:
-        denominator(objective, torch.ones(1, 1))
+        denominator(objective, torch.ones(1, 1), key)
 
 
 def weighted_loss(out, share: Tensor, token_share: Tensor) -> Tensor:

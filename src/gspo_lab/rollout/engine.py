@@ -28,6 +28,7 @@ from gspo_lab.rollout.backend import RunSettings, Sampling
 from gspo_lab.rollout.completions import Completions, Generated
 from gspo_lab.rollout.generation import generate
 from gspo_lab.rollout.logprobs import token_logprobs
+from gspo_lab.rollout.packing import packs_exactly
 from gspo_lab.routing.adapters import ADAPTERS, expert_input_dim
 from gspo_lab.routing.hooks import router_hooks
 
@@ -87,6 +88,7 @@ class RolloutEngine:
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.trainer_model, self.config = model, rollout.engine
         self.copy, self.quantised = None, {}  # quantised: parameter name -> input dimension (quantised_weights)
+        self.packs: bool | None = None  # whether its scoring forward runs padding-free (probed at the first score)
         if self.config.copies_weights or rollout.max_staleness > 0:
             self.copy = copy.deepcopy(model).requires_grad_(False).eval()
             for parameter in self.copy.parameters():  # weights only: buffers (rotary frequencies) stay as they are
@@ -164,7 +166,10 @@ class RolloutEngine:
         """log softmax(logits / temperature) [N, C] of the completion tokens under the generating model (the
         engine's copy, in its precision), in one forward over prompt and completion (rollout.rescore), SCORE_ROWS
         rows at a time, the logits of at most SCORE_CHUNK_TOKENS positions alive at once (gspo_lab.rollout.logprobs;
-        a 152k vocabulary in float32: 5 GB)."""
+        a 152k vocabulary in float32: 5 GB), padding-free where the architecture keeps packed rows apart
+        (gspo_lab.rollout.packing)."""
+        if self.packs is None:
+            self.packs = packs_exactly(self.model)
         input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)  # [N, P + C]
         attention_mask = torch.cat([completions.prompt_mask, completions.completion_mask], 1)
         device = next(self.model.parameters()).device
@@ -174,7 +179,7 @@ class RolloutEngine:
                 logp, _ = token_logprobs(self.model, input_ids[rows:rows + SCORE_ROWS].to(device),
                                          attention_mask[rows:rows + SCORE_ROWS].to(device),
                                          completions.completion_ids.shape[1], temperature,
-                                         chunk_tokens=SCORE_CHUNK_TOKENS)
+                                         chunk_tokens=SCORE_CHUNK_TOKENS, packed=self.packs)
                 parts.append(logp.float())
         return torch.cat(parts) * completions.completion_mask.to(device)
 
@@ -199,7 +204,7 @@ def noisy_routers(model: torch.nn.Module, sigma: float) -> Iterator[None]:
     (RouterAdapter.replayed). For sigmoid routers with a selection bias (DeepSeek-V3, GLM-4.5, MiniMax-M2) the
     noisy choice is the top-k of the noisy logits without the bias or group limit: noise, not their rule."""
 
-    def perturb(layer, router, adapter, hidden, output, shape):
+    def perturb(layer, router, adapter, hidden, output, call):
         logits, indices = adapter.choice(router, output)
         noisy = logits + sigma * logits.std(dim=-1, keepdim=True) * torch.randn_like(logits)  # [N, E]
         chosen = noisy.topk(indices.shape[-1], dim=-1).indices.to(indices.dtype)  # [N, k]

@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 
 from gspo_lab.decoder import CACHE, decoder_of
 from gspo_lab.rollout.generation import distinct_prompts, position_ids
+from gspo_lab.rollout.packing import pack, packed_hidden
 from gspo_lab.routing.hooks import CallView, call_view
 
 # model_type -> (config attribute, op): its ForCausalLM.forward returns logits = op(lm_head(h), config.<attribute>)
@@ -141,7 +142,7 @@ def kv_cache(decoder: torch.nn.Module) -> DynamicCache | None:
 
 
 def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
-                         completion_len: int) -> Tensor | None:
+                         completion_len: int, most_tokens: int | None = None) -> Tensor | None:
     """The decoder's hidden states at the positions that predict the completion tokens, [B, C, H], computed
     with each distinct prompt run once: a forward over the U distinct (prompt, prompt mask) rows keeps their
     keys and values; those are gathered to the B rows (autograd carries their gradient back) and a second
@@ -149,12 +150,14 @@ def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: Tensor, attention_
     function as one forward over [B, P + C], to float rounding (tested), in about (U P + B C) / (B (P + C)) of
     the decoder's work. None (the caller runs the full forward) when that saves less than MIN_TOKEN_SAVING of
     the tokens or fewer than MIN_SAVED_TOKENS, or the architecture's cache is not plain keys and values
-    (`kv_cache`)."""
+    (`kv_cache`), or it would run at least `most_tokens` tokens (a packed forward's count)."""
     rows, prompt_len = input_ids.shape[0], input_ids.shape[1] - completion_len
     distinct, inverse, first = distinct_prompts(input_ids, attention_mask, completion_len)
     all_tokens = rows * (prompt_len + completion_len)
     saved = all_tokens - (len(distinct) * prompt_len + rows * completion_len)
     if saved < MIN_TOKEN_SAVING * all_tokens or saved < MIN_SAVED_TOKENS:
+        return None
+    if most_tokens is not None and all_tokens - saved >= most_tokens:
         return None
     cache = kv_cache(decoder)
     if cache is None:
@@ -184,6 +187,7 @@ def token_logprobs(
     share_prompts: bool = False,
     chunk_tokens: int | None = None,
     entropy_grad: bool = False,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """log π(y_t | x, y_<t) and the policy entropy at each of the last `completion_len` positions: log_softmax of
     the model's own logits / temperature, in whatever mode the model is in (RLModule keeps it in eval mode).
@@ -195,14 +199,26 @@ def token_logprobs(
     agree); ignored for a model with activation checkpointing (a block recomputed with a KV cache would append to
     it twice). `chunk_tokens` bounds the (row, token) positions of one chunk's logits (None: whole rows); a chunk
     that fits in it is the one a row-only chunking computes, so values are the same bit for bit, and smaller
-    chunks agree to float rounding.
+    chunks agree to float rounding. `packed`: the decoder runs on the rows' real tokens only, in bins
+    (gspo_lab.rollout.packing; train.padding_free): the same values to float rounding, 0 where the batch pads; with
+    `share_prompts` the shared forward runs instead where it computes fewer tokens.
     """
     decoder = decoder_of(model)
     head = model.get_output_embeddings()
     transform = head_transform(model)
     hidden = None
     if share_prompts and not is_checkpointed(model):
-        hidden = shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len)
+        packed_tokens = int(attention_mask.sum()) if packed else None  # what the packed forward would run
+        hidden = shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len, packed_tokens)
+    if hidden is None and packed:
+        hidden, (rows, columns) = packed_hidden(decoder, pack(input_ids, attention_mask), completion_len)  # [M, H]
+        targets = input_ids[rows, columns + input_ids.shape[1] - completion_len]  # [M]
+        width = chunk_tokens or chunk_rows * completion_len  # a padded chunk's positions at most
+        logp, entropy = _chunked(hidden[None], targets[None], (head, transform, temperature, entropy_grad), 1, width)
+        out = torch.zeros(input_ids.shape[0], completion_len, device=logp.device, dtype=logp.dtype)  # [B, C]
+        logp = out.index_put((rows, columns), logp[0])  # differentiable in logp; 0 where the batch pads
+        entropy = out.index_put((rows, columns), entropy[0])
+        return logp, entropy if entropy_grad else entropy.detach()
     if hidden is None:
         hidden = decoder(
             input_ids=input_ids,
@@ -214,14 +230,23 @@ def token_logprobs(
     targets = input_ids[:, -completion_len:]  # [B, C]
     if chunk_tokens is not None:
         chunk_rows = min(chunk_rows, chunk_tokens)  # a chunk of one column still holds one position per row
+    logp, entropy = _chunked(hidden, targets, (head, transform, temperature, entropy_grad), chunk_rows, chunk_tokens)
+    return logp, entropy if entropy_grad else entropy.detach()
+
+
+def _chunked(hidden: Tensor, targets: Tensor, head: tuple, chunk_rows: int, chunk_tokens: int | None
+             ) -> tuple[Tensor, Tensor]:
+    """hidden [R, C, H], targets [R, C] -> log-probs and entropies [R, C], `chunk_rows` rows and at most
+    `chunk_tokens` positions (None: whole rows) per `_chunk_logprobs` call; `head`: (lm head, head_transform,
+    temperature, entropy_grad). Each chunk is activation-checkpointed under grad."""
+    completion_len = targets.shape[1]
     logps, entropies = [], []
-    for rows in range(0, input_ids.shape[0], chunk_rows):
+    for rows in range(0, hidden.shape[0], chunk_rows):
         h, y = hidden[rows : rows + chunk_rows], targets[rows : rows + chunk_rows]  # [r, C, H], [r, C]
         width = completion_len if chunk_tokens is None else max(1, chunk_tokens // len(y))  # columns per chunk
         row_logps, row_entropies = [], []
         for column in range(0, completion_len, width):
-            piece = (h[:, column : column + width], y[:, column : column + width], head, transform, temperature,
-                     entropy_grad)
+            piece = (h[:, column : column + width], y[:, column : column + width], *head)
             if torch.is_grad_enabled():
                 logp, entropy = checkpoint(_chunk_logprobs, *piece, use_reentrant=False)
             else:
@@ -230,8 +255,7 @@ def token_logprobs(
             row_entropies.append(entropy)
         logps.append(torch.cat(row_logps, 1) if len(row_logps) > 1 else row_logps[0])
         entropies.append(torch.cat(row_entropies, 1) if len(row_entropies) > 1 else row_entropies[0])
-    entropy = torch.cat(entropies)
-    return torch.cat(logps), entropy if entropy_grad else entropy.detach()
+    return torch.cat(logps), torch.cat(entropies)
 
 
 def check_logprobs_match(model: PreTrainedModel) -> None:

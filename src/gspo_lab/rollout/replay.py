@@ -7,7 +7,9 @@ update on known completions, with nothing left to sampling.
 Each line of the file: {"prompt": <the model input, as the run's prompt format renders it>, "completions": [<text>,
 ...]}. The j-th row of a prompt in a `generate` call (a group's j-th completion) gets its j-th recorded completion
 (cycling through them), ended with the tokenizer's EOS and cut at max_new_tokens: nothing depends on earlier
-steps, so a resumed run replays what an uninterrupted one would. The log-probs returned are the trainer's own of
+steps, so a resumed run replays what an uninterrupted one would. A line with "prompt": null answers every prompt
+without a line of its own: the k-th such row of a call gets its k-th completion (the variable-length workload,
+conf/experiment/bench_varlen.yaml). The log-probs returned are the trainer's own of
 those tokens (a no-grad forward of the policy as it stands at the rollout), as an engine's of its own samples
 would be.
 """
@@ -25,6 +27,7 @@ from gspo_lab.config import RolloutConfig
 from gspo_lab.rollout.backend import RunSettings, Sampling
 from gspo_lab.rollout.completions import Generated, cut_at_stop, stop_ids
 from gspo_lab.rollout.logprobs import token_logprobs
+from gspo_lab.rollout.packing import packs_exactly
 from gspo_lab.tasks.jsonl import json_lines
 
 SETTINGS = ("path",)  # rollout.options.*
@@ -44,6 +47,7 @@ class ReplayBackend:
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.model = model
         self.recorded = load_recorded(recording(rollout.options))
+        self.packs: bool | None = None  # whether its log-prob forward runs padding-free (probed at first use)
 
     @classmethod
     def check(cls, run: RunSettings) -> None:
@@ -73,11 +77,12 @@ class ReplayBackend:
                  routing=None) -> Generated:
         """Each prompt's recorded completion for its place in the call, with the policy's log-probs of its tokens;
         no routing trace."""
-        seen: Counter[str] = Counter()  # each prompt's rows so far in this call
+        seen: Counter[str | None] = Counter()  # each prompt's rows so far in this call (None: any prompt's)
         texts = []
         for prompt in prompts:
-            texts.append(self.completion(prompt, seen[prompt]))
-            seen[prompt] += 1
+            key = prompt if prompt in self.recorded or None not in self.recorded else None
+            texts.append(self.completion(key, seen[key]))
+            seen[key] += 1
         device = next(self.model.parameters()).device
         encoded = tokenizer(prompts, return_tensors="pt", padding=True,
                             add_special_tokens=sampling.add_special_tokens).to(device)
@@ -94,14 +99,16 @@ class ReplayBackend:
         completions = cut_at_stop(tokenizer, encoded["input_ids"], encoded["attention_mask"], ids,
                                   [] if sampling.suppress_eos else stop, generated=written)
         if sampling.logprobs:
+            if self.packs is None:
+                self.packs = packs_exactly(self.model)
             with torch.no_grad():
                 completions.logprobs = token_logprobs(
                     self.model, torch.cat([completions.prompt_ids, completions.completion_ids], 1),
                     torch.cat([completions.prompt_mask, completions.completion_mask], 1), width,
-                    sampling.temperature)[0] * completions.completion_mask
+                    sampling.temperature, packed=self.packs)[0] * completions.completion_mask
         return Generated(completions)
 
-    def completion(self, prompt: str, index: int) -> str:
+    def completion(self, prompt: str | None, index: int) -> str:
         """The prompt's `index`-th recorded completion, cycling."""
         if prompt not in self.recorded:
             raise ValueError(f"rollout.backend=replay: no completions recorded for the prompt {prompt!r}")
@@ -116,17 +123,17 @@ def recording(options: dict) -> Path:
     return Path(str(options["path"])).expanduser()
 
 
-def load_recorded(path: Path) -> dict[str, list[str]]:
+def load_recorded(path: Path) -> dict[str | None, list[str]]:
     """The recorded completions of each prompt; ValueError naming the file and the line that breaks the format."""
     if not path.is_file():
         raise ValueError(f"rollout.options.path={str(path)!r}: no such file")
-    recorded: dict[str, list[str]] = {}
+    recorded: dict[str | None, list[str]] = {}
     for where, row in json_lines(path):
         row = row if isinstance(row, dict) else {}
         completions = row.get("completions")
-        if not (isinstance(row.get("prompt"), str) and isinstance(completions, list) and completions
+        if not (isinstance(row.get("prompt"), (str, type(None))) and isinstance(completions, list) and completions
                 and all(isinstance(c, str) for c in completions)):
-            raise ValueError(f"{where}: must be {{\"prompt\": <text>, \"completions\": [<text>, ...]}} with at "
-                             "least one completion")
+            raise ValueError(f"{where}: must be {{\"prompt\": <text or null>, \"completions\": [<text>, ...]}} "
+                             "with at least one completion")
         recorded.setdefault(row["prompt"], []).extend(completions)
     return recorded

@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch import Tensor
@@ -35,11 +35,14 @@ class CallView:
     rows: [U] the batch row each call row stands for (replay reads those rows of its trace); None: every row.
     expand: [B] the call row of each batch row (a recorder stores the call's experts for every batch row, so its
         trace stays [B, L]); None: the call's rows are the batch's.
+    packing: a padding-free call over the batch's real tokens in bins (gspo_lab.rollout.packing.Packing): a
+        recorder stores its experts back in the [B, L] layout, replay reads the trace in the bins' layout.
     """
 
     columns: slice
     rows: Tensor | None = None
     expand: Tensor | None = None
+    packing: Any = None
 
 
 _CALL_VIEW: ContextVar[CallView | None] = ContextVar("call_view", default=None)
@@ -55,23 +58,33 @@ def call_view(view: CallView) -> Iterator[None]:
         _CALL_VIEW.reset(token)
 
 
-def _batch_shape(args, kwargs) -> tuple[int, int]:
+class DecoderCall(NamedTuple):
+    """A decoder call as its routers' hooks see it: its [rows, length] tokens and the `CallView` open when it was
+    made. A block recomputed in the backward (activation checkpointing) runs outside that context, so hooks read
+    the view kept here, the last decoder call's, which is the one recomputed."""
+
+    rows: int
+    length: int
+    view: CallView | None
+
+
+def _decoder_call(args, kwargs) -> DecoderCall:
     for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *(a for a in args if isinstance(a, Tensor))):
         if value is not None:
-            return value.shape[0], value.shape[1]
+            return DecoderCall(value.shape[0], value.shape[1], _CALL_VIEW.get())
     raise ValueError("routing hooks: the decoder was called without input_ids or inputs_embeds")
 
 
 @contextmanager
 def router_hooks(model: torch.nn.Module, router_hook, purpose: str) -> Iterator[list[tuple[int, int]]]:
-    """Registers `router_hook(layer, router, adapter, hidden, output, shape)` on every router (`hidden`: the
-    router's first positional input, as every supported family calls it); yields the list of [B, S] shapes of
-    the decoder calls made inside the context."""
+    """Registers `router_hook(layer, router, adapter, hidden, output, call)` on every router (`hidden`: the
+    router's first positional input, as every supported family calls it; `call`: the `DecoderCall` it belongs to);
+    yields the list of the decoder calls made inside the context."""
     routers = find_routers(model, purpose)
     decoder = decoder_of(model)
-    shapes: list[tuple[int, int]] = []
+    shapes: list[DecoderCall] = []
     handles = [decoder.register_forward_pre_hook(
-        lambda module, args, kwargs: shapes.append(_batch_shape(args, kwargs)), with_kwargs=True)]
+        lambda module, args, kwargs: shapes.append(_decoder_call(args, kwargs)), with_kwargs=True)]
     for layer, (_, router, adapter) in enumerate(routers):
         handles.append(router.register_forward_hook(
             lambda module, args, output, layer=layer, adapter=adapter: router_hook(layer, module, adapter, args[0], output,
@@ -92,11 +105,13 @@ class _Recorder:
     def __init__(self, num_layers: int) -> None:
         self.calls: list[list[Tensor]] = [[] for _ in range(num_layers)]
 
-    def __call__(self, layer, router, adapter, hidden, output, shape) -> None:
+    def __call__(self, layer, router, adapter, hidden, output, call: DecoderCall) -> None:
         _, indices = adapter.choice(router, output)
-        rows, length = shape
-        indices = indices.detach().to(compact_dtype(router.num_experts)).reshape(rows, length, -1)
-        view = _CALL_VIEW.get()
+        indices = indices.detach().to(compact_dtype(router.num_experts)).reshape(call.rows, call.length, -1)
+        view = call.view
+        if view is not None and view.packing is not None:  # [R, W, k] bins -> [B, L, k]; padding: expert 0
+            self.calls[layer].append(view.packing.unpacked(indices))
+            return
         expand = None if view is None or view.expand is None else view.expand.to(indices.device)
         self.calls[layer].append(indices if expand is None else indices[expand])  # [B, length, k]
 
@@ -146,23 +161,29 @@ class _Replayer:
         self.stats = ReplayStats()
         self._call: tuple[CallView, RoutingTrace, Tensor | None] | None = None  # the view in use and its cut
 
-    def _seen(self, device: torch.device) -> tuple[RoutingTrace, Tensor | None]:
-        """The trace and valid [B', L'] of the current decoder call, on `device`."""
+    def _seen(self, device: torch.device, view: CallView | None) -> tuple[RoutingTrace, Tensor | None]:
+        """The trace and valid [B', L'] of the decoder call with this `view`, on `device`."""
         if self.trace.indices.device != device:
             self.trace, self._call = self.trace.to(device), None
             self.valid = None if self.valid is None else self.valid.to(device)
-        view = _CALL_VIEW.get()  # a call over distinct prompts, or over the completion columns only
-        if view is None:
+        if view is None:  # else a call over distinct prompts, the completion columns only, or packed rows
             return self.trace, self.valid
         if self._call is None or self._call[0] is not view:
-            valid = None if self.valid is None else _viewed(self.valid, view)
-            self._call = (view, self.trace.view(view.rows, view.columns), valid)
+            if view.packing is not None:  # the trace in the bins' layout; the slack is not recorded
+                packing = view.packing
+                valid = None if self.valid is None else packing.packed(self.valid, False)
+                seen = RoutingTrace(torch.stack([packing.packed(layer) for layer in self.trace.indices]),
+                                    packing.packed(self.trace.recorded, False))
+                self._call = (view, seen, valid)
+            else:
+                valid = None if self.valid is None else _viewed(self.valid, view)
+                self._call = (view, self.trace.view(view.rows, view.columns), valid)
         return self._call[1:]
 
-    def __call__(self, layer, router, adapter, hidden, output, shape):
+    def __call__(self, layer, router, adapter, hidden, output, call: DecoderCall):
         _, natural = adapter.choice(router, output)
-        seen, mask = self._seen(natural.device)
-        recorded_idx, recorded = seen.layer(layer, *shape)  # [N, k], [N]
+        seen, mask = self._seen(natural.device, call.view)
+        recorded_idx, recorded = seen.layer(layer, call.rows, call.length)  # [N, k], [N]
         indices = torch.where(recorded[:, None], recorded_idx.to(natural.dtype), natural)  # [N, k]
         with torch.no_grad():
             counted = recorded if mask is None else recorded & mask.reshape(-1)

@@ -84,7 +84,7 @@ class RolloutCollector:
         metrics.update(self.probe.own_forward(batch, step))
         started = time.perf_counter()
         if batch.old_logp is None:
-            batch.old_logp, batch.routing_trace = self.policy.old_logprobs(batch)
+            batch.old_logp, batch.routing_trace = self.policy.old_logprobs(batch, ranks)
             if batch.rollout_logp is not None:  # π_old as the step trains on it (under r3: the engine's experts)
                 metrics["mismatch/pi_old_kl"] = mismatch_metrics(batch.old_logp, batch.rollout_logp,
                                                                  batch.policy_mask)["mismatch/kl"]
@@ -92,7 +92,7 @@ class RolloutCollector:
         extras = self.extras
         if extras.kl_penalty or extras.kl_to_initial:
             started = time.perf_counter()
-            ref_logp = self.policy.reference_logprobs(batch)  # [B, C]
+            ref_logp = self.policy.reference_logprobs(batch, ranks)  # [B, C]
             metrics["time/ref_logprobs_s"] = time.perf_counter() - started
             if extras.kl_penalty:
                 batch.ref_logp = ref_logp

@@ -15,10 +15,12 @@ from gspo_lab.config import RolloutConfig, TrainConfig
 from gspo_lab.models.lora import LoraPolicy
 from gspo_lab.rollout import RolloutBatch, token_logprobs
 from gspo_lab.rollout.generation import distinct_prompts
+from gspo_lab.rollout.packing import packs_exactly
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.routing.trace import RoutingTrace
 from gspo_lab.sharding import is_sharded
-from gspo_lab.tensors import micro_slices
+from gspo_lab.step.budget import micro_batch_parts
+from gspo_lab.step.ranks import Ranks
 
 
 class PolicyForwards:
@@ -29,6 +31,7 @@ class PolicyForwards:
                  routing: RoutingReplay, rollout: RolloutConfig, train: TrainConfig) -> None:
         self.model, self.reference, self.lora, self.routing = model, reference, lora, routing
         self.temperature, self.train_cfg = rollout.temperature, train
+        self.packed = train.padding_free and packs_exactly(model)  # one probe forward per run
 
     def logprobs(self, batch: RolloutBatch, model: torch.nn.Module | None = None,
                  share_prompts: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +42,7 @@ class PolicyForwards:
         return token_logprobs(
             self.model if model is None else model, batch.input_ids, batch.attention_mask, batch.completion_len,
             self.temperature, self.train_cfg.logprob_chunk_rows, share_prompts=share,
-            chunk_tokens=self.train_cfg.logprob_chunk_tokens, entropy_grad=entropy_grad,
+            chunk_tokens=self.train_cfg.logprob_chunk_tokens, entropy_grad=entropy_grad, packed=self.packed,
         )
 
     def shared_logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,32 +61,43 @@ class PolicyForwards:
         return (torch.equal(trace.indices[:, :, prompt], trace.indices[:, same, prompt])
                 and torch.equal(trace.recorded[:, prompt], trace.recorded[same, prompt]))
 
-    def forward_parts(self, batch: RolloutBatch) -> list[RolloutBatch]:
-        """The batch as its no-grad forwards take it: train.micro_batch_size rows at a time, as training's forwards
-        (else the rank's whole batch at once, which a long-generation recipe cannot hold: 512 rows x 4,608 tokens
-        of a 1.5B model's MLP activations are about 127 GB)."""
-        slices = micro_slices(batch.input_ids.shape[0], self.train_cfg.micro_batch_size)
-        return [batch] if len(slices) == 1 else [batch.rows(torch.arange(s.start, s.stop)) for s in slices]
+    def forward_parts(self, batch: RolloutBatch, ranks: Ranks | None = None) -> list[tuple[RolloutBatch, bool]]:
+        """The batch as its no-grad forwards take it, each part with whether its result counts (False: a rank's
+        spare forward, for FSDP's all-gathers): train.micro_batch_size rows or train.micro_batch_tokens tokens at
+        a time, as training's forwards, the same number on every rank (gspo_lab.step.budget); else the rank's
+        whole batch at once, which a long-generation recipe cannot hold: 512 rows x 4,608 tokens of a 1.5B
+        model's MLP activations are about 127 GB."""
+        parts = micro_batch_parts(batch.attention_mask, self.train_cfg.micro_batch_size,
+                                  self.train_cfg.micro_batch_tokens, None if ranks is None else ranks.agree)
+        if len(parts) == 1:
+            return [(batch, True)]
+        device = batch.input_ids.device
+        return [(batch.rows(torch.tensor(part.rows, device=device)), part.weight) for part in parts]
 
-    def old_logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, RoutingTrace | None]:
+    def old_logprobs(self, batch: RolloutBatch, ranks: Ranks | None = None
+                     ) -> tuple[torch.Tensor, RoutingTrace | None]:
         """π_old of the batch's completion tokens [B, C] and the old policy's routing trace, in no-grad forwards
-        of `forward_parts`; r3 replays the engine's experts there, off and r2 record them."""
+        of `forward_parts` (whose counted parts hold the rows in order); r3 replays the engine's experts there, off
+        and r2 record them."""
         logps, traces = [], []
-        for part in self.forward_parts(batch):
+        for part, counts in self.forward_parts(batch, ranks):
             with torch.no_grad(), self.routing.old_policy(part) as trace:
                 share = self.routing.mode != "r3" or self.replay_allows_sharing(part)
-                logps.append(self.logprobs(part, share_prompts=share)[0])
-            traces.append(trace)
+                logp = self.logprobs(part, share_prompts=share)[0]
+            if counts:
+                logps.append(logp)
+                traces.append(trace)
         if len(logps) == 1:
             return logps[0], traces[0]
         return torch.cat(logps), None if traces[0] is None else RoutingTrace.cat(traces)
 
-    def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+    def reference_logprobs(self, batch: RolloutBatch, ranks: Ranks | None = None) -> torch.Tensor:
         """The frozen reference policy's log-probs [B, C] of the batch's completion tokens (objective.beta > 0),
         each prompt once; the reference routes with its own routers (no replay context is open here)."""
         with torch.no_grad(), self.lora.disabled() if self.lora is not None else nullcontext():
-            return torch.cat([self.logprobs(part, self.reference, share_prompts=True)[0]
-                              for part in self.forward_parts(batch)])
+            parts = [(self.logprobs(part, self.reference, share_prompts=True)[0], counts)
+                     for part, counts in self.forward_parts(batch, ranks)]
+        return torch.cat([logp for logp, counts in parts if counts])
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

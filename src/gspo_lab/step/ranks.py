@@ -18,3 +18,9 @@ class Ranks:
     def any(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank; collective: every rank calls it."""
         return self.strategy.reduce_boolean_decision(flag, all=False)
+
+    def agree(self, count: int) -> int:
+        """The largest `count` over the ranks (every rank calls it; one all-reduce where there are several)."""
+        if self.world == 1:
+            return count
+        return int(self.strategy.reduce(torch.tensor(count, device=self.device), reduce_op="max").item())

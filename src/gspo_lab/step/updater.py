@@ -1,7 +1,7 @@
 """The update half of an RL step, `Updater.update`: `train.minibatches` shuffled mini-batches, each accumulated over
-micro-batches of train.micro_batch_size rows (one gradient all-reduce per mini-batch under DDP), then one optimizer
-step with gradient clipping, or a skip when the loss or the gradient is non-finite. The updater owns the state
-that changes with updates: the entropy bonus's coefficient (adaptive with objective.entropy_target) and the count
+micro-batches of train.micro_batch_size rows or train.micro_batch_tokens tokens (gspo_lab.step.budget; one gradient
+all-reduce per mini-batch under DDP), then one optimizer step with gradient clipping, or a skip when the loss or the
+gradient is non-finite. The updater owns the state that changes with updates: the entropy bonus's coefficient (adaptive with objective.entropy_target) and the count
 of consecutive skipped updates, saved in checkpoints (`state_dict`).
 """
 
@@ -23,11 +23,12 @@ from gspo_lab.objectives.entropy import EntropyCoefficient
 from gspo_lab.rollout import RolloutBatch
 from gspo_lab.routing import RoutingReplay
 from gspo_lab.step.failures import RunStopped
+from gspo_lab.step.budget import micro_batch_parts
 from gspo_lab.step.metrics import combine, combine_micro_batches
 from gspo_lab.step.policy import PolicyForwards
 from gspo_lab.step.probe import FirstForwards, MismatchProbe
 from gspo_lab.step.ranks import Ranks
-from gspo_lab.tensors import masked_mean, micro_slices
+from gspo_lab.tensors import masked_mean
 
 log = logging.getLogger(__name__)
 
@@ -96,24 +97,29 @@ class Updater:
 
     def accumulate(self, minibatch: RolloutBatch, ranks: Ranks, step: int, before: FirstForwards | None = None
                    ) -> dict[str, float] | None:
-        """The mini-batch's gradient, accumulated over micro-batches of train.micro_batch_size rows, each loss
-        weighted by its share D_m / D of the aggregation's count (gspo_lab.objectives.micro_batches), and its
-        metrics; None when a loss was non-finite (on every rank). Under DDP only the last micro-batch's backward
-        all-reduces (`gradient_sync`). `before` keeps the forwards' log-probs and experts."""
-        count = len(minibatch.rewards)
-        slices = micro_slices(count, self.train_cfg.micro_batch_size)
-        split = len(slices) > 1
+        """The mini-batch's gradient, accumulated over micro-batches of train.micro_batch_size rows or
+        train.micro_batch_tokens tokens (gspo_lab.step.budget), each loss weighted by its share D_m / D of the
+        aggregation's count (gspo_lab.objectives.micro_batches), and its metrics; None when a loss was non-finite
+        (on every rank). Under DDP only the last micro-batch's backward all-reduces (`gradient_sync`). `before`
+        keeps the forwards' log-probs and experts."""
+        parts = micro_batch_parts(minibatch.attention_mask, self.train_cfg.micro_batch_size,
+                              self.train_cfg.micro_batch_tokens, ranks.agree)
+        split = len(parts) > 1
         total = micro_batches.denominator(self.objective, minibatch.loss_mask).clamp(min=1) if split else None
         tokens = minibatch.loss_mask.sum().clamp(min=1) if split else None  # the entropy bonus's count
         keys, collected = None, []
-        for index, rows in enumerate(slices):
-            micro = minibatch.rows(torch.arange(count, device=ranks.device)[rows]) if split else minibatch
+        for index, part in enumerate(parts):
+            micro = minibatch.rows(torch.tensor(part.rows, device=ranks.device)) if split else minibatch
             share = micro_batches.denominator(self.objective, micro.loss_mask) / total if split else None
             token_share = micro.loss_mask.sum() / tokens if split else None
-            with self.gradient_sync(ranks, last=index == len(slices) - 1):
+            if not part.weight:  # a spare micro-batch: this rank's collectives, no gradient and no metrics
+                share, token_share = share * 0, token_share * 0
+            with self.gradient_sync(ranks, last=index == len(parts) - 1):
                 out, entropy = self.forward_backward(micro, ranks, step, share, before, token_share)
             if out is None:
                 return None
+            if not part.weight:
+                continue
             mask = micro.loss_mask
             keys = keys or [*out.metrics, "entropy"]
             metrics = {**out.metrics, "entropy": masked_mean(entropy, mask.to(entropy.dtype))}
@@ -121,8 +127,11 @@ class Updater:
             collected.append(torch.stack([v.detach().double().to(ranks.device) for v in
                                           [*(metrics[k] for k in keys), *counts]]))  # [K + 3]
         host = torch.stack(collected).cpu().tolist()  # one copy to the host per mini-batch, not one per metric
-        parts = [(dict(zip(keys, row[:-3])), *row[-3:]) for row in host]
-        return combine_micro_batches(self.objective, parts)
+        metrics = combine_micro_batches(self.objective, [(dict(zip(keys, row[:-3])), *row[-3:]) for row in host])
+        if self.train_cfg.micro_batch_tokens is not None:  # the budget's micro-batches, and those added to match
+            metrics["train/micro_batches"] = float(len(parts))  # the rank that needs most (gspo_lab.step.budget)
+            metrics["train/micro_batches_added"] = float(sum(part.added for part in parts))
+        return metrics
 
     @staticmethod
     def gradient_sync(ranks: Ranks, last: bool):
