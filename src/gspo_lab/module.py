@@ -122,9 +122,12 @@ class RLModule(L.LightningModule):
         # where the rollouts come from (gspo_lab.rollout.sources): the engine synced to the trainer's weights, to
         # weights that lag them (async_mode=lagged), or an engine process generating ahead (overlap);
         # rollout.rescore's second engine scores the samples beside the engine
+        rescorer = build_rescorer(model, rollout, self.engine)
+        for engine in (self.engine, getattr(rescorer, "engine", None)):  # the hf and replay backends' scoring
+            if hasattr(engine, "packs") and not train.padding_free:
+                engine.packs = False  # padded as training's forwards (else probed at its first forward)
         in_process = InProcess(self.engine, rows, Sampling.of_rollout(rollout, self.render.add_special_tokens),
-                               rollout.generation_batch_size, self.routing, agent,
-                               build_rescorer(model, rollout, self.engine))
+                               rollout.generation_batch_size, self.routing, agent, rescorer)
         self.source = build_source(model, rollout, in_process, rows, seed)
         self.evaluation = evaluation or EvalPlan(EvalSettings(), [SetSpec(HELDOUT, task, prompt or PromptFormat(),
                                                                           None, None)])

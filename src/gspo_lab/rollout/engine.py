@@ -88,7 +88,7 @@ class RolloutEngine:
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.trainer_model, self.config = model, rollout.engine
         self.copy, self.quantised = None, {}  # quantised: parameter name -> input dimension (quantised_weights)
-        self.packs: bool | None = None  # whether its scoring forward runs padding-free (probed at the first score)
+        self.packs: bool | None = None  # padding-free scoring: None probes at its first; False: padded
         if self.config.copies_weights or rollout.max_staleness > 0:
             self.copy = copy.deepcopy(model).requires_grad_(False).eval()
             for parameter in self.copy.parameters():  # weights only: buffers (rotary frequencies) stay as they are

@@ -47,7 +47,7 @@ class ReplayBackend:
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.model = model
         self.recorded = load_recorded(recording(rollout.options))
-        self.packs: bool | None = None  # whether its log-prob forward runs padding-free (probed at first use)
+        self.packs: bool | None = None  # padding-free log-probs: None probes at first use; False: padded
 
     @classmethod
     def check(cls, run: RunSettings) -> None:
