@@ -48,6 +48,7 @@ Its TRL runs need the `bench` extra (pip install -e ".[bench]"); without it the 
     python scripts/bench_vs_trl.py --workload bench_gpu --rounds 3 trainer=gpu   # on a GPU node
     python scripts/bench_vs_trl.py --workload bench_varlen --padded --steps 6 --rounds 3   # packed vs padded
     python scripts/bench_vs_trl.py --workload bench_paper --padded --steps 8 --rounds 3
+    python scripts/bench_vs_trl.py --workload bench_vocab --padded --lab-only --steps 4 --warmup 1 --lengths 256
     python scripts/bench_vs_trl.py rollout.logprobs_from_generation=false   # gspo-lab with a second forward
     python scripts/bench_vs_trl.py --paired --steps 23 --rounds 4   # gspo-lab against its floor, step by step
                                     # (23 steps: 20 timed, every 4th with bench_anchor's routing forward)
@@ -342,7 +343,7 @@ def child(side: str, length: int | None, seed: int, args) -> dict[str, float]:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def sides_of(workload: str, padded: bool) -> list[str]:
+def sides_of(workload: str, padded: bool, lab_only: bool = False) -> list[str]:
     """gspo-lab (and with `padded` gspo-lab with train.padding_free=false), its floor and TRL, twice for a MoE model
     (transformers' expert kernel and gspo-lab's); without TRL installed (the `bench` extra) no TRL, and for a
     workload that replays recorded completions (bench_varlen) gspo-lab's runs only, each said on stdout."""
@@ -350,6 +351,8 @@ def sides_of(workload: str, padded: bool) -> list[str]:
         cfg = workload_config(workload, out, 1)
         moe = is_moe(instantiate(cfg.model).skeleton())
     lab = ["gspo-lab", "gspo-lab padded"] if padded else ["gspo-lab"]
+    if lab_only:
+        return lab
     if cfg.rollout.backend == "replay":
         print(f"{workload} replays recorded completions (rollout.backend=replay), which the floor (it generates) and "
               "TRL's GRPOTrainer (it always generates; TRL 1.16's GRPOConfig has no padding_free) cannot: gspo-lab "
@@ -371,6 +374,7 @@ def main() -> None:
                         help="completion lengths (rollout.max_new_tokens) to run at; default the workload's")
     parser.add_argument("--padded", action="store_true",
                         help="also time gspo-lab with train.padding_free=false, alternated with the rest")
+    parser.add_argument("--lab-only", action="store_true", help="gspo-lab's runs only: no floor, no TRL")
     parser.add_argument("--paired", action="store_true",
                         help="gspo-lab against its floor only, their steps alternated one by one in one process")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -385,7 +389,7 @@ def main() -> None:
         return run_one(args.child, args)
     if args.paired:
         return paired(args)
-    sides = sides_of(args.workload, args.padded)
+    sides = sides_of(args.workload, args.padded, args.lab_only)
     results: dict[tuple[int | None, str], list[dict[str, float]]] = {}
     for round_, length in itertools.product(range(args.rounds), args.lengths):
         for side in sides:

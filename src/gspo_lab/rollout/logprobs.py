@@ -1,6 +1,7 @@
 """Per-token log-probs of completion tokens without a [B, T, V] float32 log-softmax for the whole batch.
 
-The decoder runs once over the batch (with `share_prompts`, once over each distinct prompt and then over every
+The decoder runs once over the batch (with `packed`, over its rows' real tokens only, packed into bins:
+gspo_lab.rollout.packing; with `share_prompts`, once over each distinct prompt and then over every
 row's completion tokens, attending to its prompt's keys and values: the same maths, computed once per group
 instead of once per row; `shared_prompt_hidden`); the LM head, the architecture's own post-processing of the
 head's output (`head_transform`: a logit scale, Gemma-style soft-capping), the temperature and the log-softmax

@@ -76,7 +76,7 @@ def _decoder_call(args, kwargs) -> DecoderCall:
 
 
 @contextmanager
-def router_hooks(model: torch.nn.Module, router_hook, purpose: str) -> Iterator[list[tuple[int, int]]]:
+def router_hooks(model: torch.nn.Module, router_hook, purpose: str) -> Iterator[list[DecoderCall]]:
     """Registers `router_hook(layer, router, adapter, hidden, output, call)` on every router (`hidden`: the
     router's first positional input, as every supported family calls it; `call`: the `DecoderCall` it belongs to);
     yields the list of the decoder calls made inside the context."""
