@@ -171,7 +171,8 @@ def floor_step(workload: str, steps: int, shared: list[str]) -> Callable[[], tup
             for rows in minibatch.split(train_cfg.micro_batch_size or len(minibatch)):
                 logp, _ = token_logprobs(model, ids[rows], mask[rows], new_tokens, rollout.temperature,
                                          train_cfg.logprob_chunk_rows, share_prompts=train_cfg.share_prompt_forward,
-                                         chunk_tokens=train_cfg.logprob_chunk_tokens, packed=module.policy.packed)
+                                         chunk_tokens=train_cfg.logprob_chunk_tokens, packed=module.policy.packed,
+                                         pack_min_saving=train_cfg.pack_min_saving)
                 (logp * mask[rows, prompt_len:]).sum().backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -70,8 +70,9 @@ def test_the_update_does_not_depend_on_the_token_budget_or_on_padding(replay, co
     one row each (a budget of 1 token), of a budget that groups 2-3 rows (40 tokens), and whole: the same gradient
     to float32 rounding, routing replay (r3) included. The normalisers count the mini-batch, not a micro-batch."""
     gradients = {}
-    runs = {"padded": ["train.padding_free=false"], "1": ["train.micro_batch_tokens=1"],
-            "40": ["train.micro_batch_tokens=40"], "packed": ["train.padding_free=true"]}
+    packed = ["train.padding_free=true", "train.pack_min_saving=0"]  # these rows would save too little to pack
+    runs = {"padded": ["train.padding_free=false"], "1": ["train.micro_batch_tokens=1", *packed],
+            "40": ["train.micro_batch_tokens=40", *packed], "packed": packed}
     for name, extra in runs.items():
         overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")]
         gradients[name] = first_step_gradients(compose, overrides + extra + [
@@ -197,7 +198,8 @@ def test_ddp_ranks_accumulate_micro_batches_to_the_same_update(rl_overrides, tmp
     other skips: the same metrics to float rounding, and the ranks identical."""
     rows = {}
     runs = {"whole": ["train.padding_free=false"], "2": ["train.micro_batch_size=2"],
-            **{str(budget): [f"train.micro_batch_tokens={budget}"] for budget in DDP_BUDGETS}}
+            **{str(budget): [f"train.micro_batch_tokens={budget}", "train.pack_min_saving=0"]
+               for budget in DDP_BUDGETS}}
     for name, extra in runs.items():
         run_dir = tmp_path / name
         overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")]

@@ -1,5 +1,5 @@
-"""train.padding_free in a real run: 20 RL steps with packed forwards log the metrics of 20 padded ones to float
-rounding (the same samples, rewards and updates; timings aside), and the plan refuses a token budget beside a row
+"""train.padding_free in a real run: 20 RL steps with packed forwards (train.pack_min_saving=0: these rows of 11-16
+tokens would save too little to pack by default) log the metrics of 20 padded ones to float rounding (the same samples, rewards and updates; timings aside), and the plan refuses a token budget beside a row
 count, naming both keys."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_twenty_steps_log_the_same_metrics_packed_and_padded(compose, rl_overrid
     for packed in ("true", "false"):
         overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")]
         train(compose(overrides + ["train.steps=20", "train.eval_every=10", f"train.padding_free={packed}",
-                                   f"paths.output_dir={tmp_path / packed}"]))
+                                   "train.pack_min_saving=0", f"paths.output_dir={tmp_path / packed}"]))
         runs[packed] = read_rows(tmp_path / packed)
     packed, padded = runs["true"], runs["false"]
     assert len(packed) == len(padded) >= 20

@@ -43,7 +43,7 @@ RUNS = {
     "bf16_engine": ["rollout.engine.precision=bf16", *PADDED],
     # make test-vllm: vLLM's CPU build in .venv-vllm; float32, a head size its CPU kernels take
     "vllm": ["rollout.backend=vllm", "model.config.head_dim=32", *PADDED],
-    "packed": ["algorithm=grpo_rr", "train.micro_batch_tokens=40"],
+    "packed": ["algorithm=grpo_rr", "train.micro_batch_tokens=40", "train.pack_min_saving=0"],
 }
 NEEDS_VLLM = [pytest.mark.vllm, pytest.mark.skipif(not vllm_setup.available(), reason=vllm_setup.INSTALL)]
 # a run's own clock: the rest of every row is a function of the seed

@@ -34,6 +34,9 @@ class TrainConfig:
             row's real tokens only, rows packed end to end with attention kept within each row
             (gspo_lab.rollout.packing): the same log-probs to float rounding without computing a pad token. An
             architecture whose rows would see each other (linear attention, gpt-oss) stays padded, with a warning.
+        pack_min_saving: a forward packs only where its bins hold at least this share fewer tokens than the padded
+            batch, else it runs padded (0: always packs): where nearly every row is as long as the longest, the
+            bins' indexing and mask cost more than they save (bench_anchor's fixed-length answers: 0.91x padded).
         lr: learning rate, read by the optimizer config.
         grad_clip: max gradient norm; 0 disables clipping.
         shuffle_rewards: negative control: shuffle rewards across the rollout batch before advantages.
@@ -68,6 +71,7 @@ class TrainConfig:
     micro_batch_size: int | None = None
     micro_batch_tokens: int | None = None
     padding_free: bool = True
+    pack_min_saving: float = 0.1
     lr: float = 3e-5
     grad_clip: float = 1.0
     shuffle_rewards: bool = False
@@ -100,6 +104,8 @@ class TrainConfig:
             require(self.micro_batch_size is None, "train.micro_batch_tokens", self.micro_batch_tokens,
                     f"cannot be set with train.micro_batch_size={self.micro_batch_size}: choose rows or tokens")
         require(isinstance(self.padding_free, bool), "train.padding_free", self.padding_free, "must be true or false")
+        require(isinstance(self.pack_min_saving, (int, float)) and 0 <= self.pack_min_saving < 1,
+                "train.pack_min_saving", self.pack_min_saving, "must be a share in [0, 1)")
         require(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0, "train.lr", self.lr,
                 "must be a finite number > 0")
         require(isinstance(self.grad_clip, (int, float)) and self.grad_clip >= 0, "train.grad_clip", self.grad_clip,

@@ -62,6 +62,23 @@ def test_rows_pack_longest_first_into_bins_as_wide_as_the_longest_row():
     assert torch.equal(back, torch.where(mask.bool(), ids, -1))
 
 
+def test_a_batch_whose_bins_save_too_little_runs_padded(tiny_family):
+    """The bins of SHAPES hold 4 x 14 of the batch's 6 x 14 tokens, a saving of a third: packed at a minimum saving
+    of 0.3, padded at 0.4 (train.pack_min_saving), where the forward is the padded one."""
+    model, _ = tiny_family("tiny_moe")
+    ids, mask = batch(model.config.vocab_size)
+    assert pack(ids, mask, 0.3) is not None and pack(ids, mask, 0.4) is None
+    calls = []
+    hook = decoder_of(model).register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    with torch.no_grad():
+        padded, _ = token_logprobs(model, ids, mask, C)
+        unpacked, _ = token_logprobs(model, ids, mask, C, packed=True, pack_min_saving=0.4)
+    hook.remove()
+    assert calls == [(6, P + C), (6, P + C)]
+    assert torch.equal(unpacked, padded)  # bitwise: the same padded forward on the same shapes
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", PACKING)
 def test_packed_forwards_give_the_padded_logprobs_entropies_and_gradients(name, tiny_family):

@@ -28,7 +28,7 @@ from gspo_lab.rollout.backend import RunSettings, Sampling
 from gspo_lab.rollout.completions import Completions, Generated
 from gspo_lab.rollout.generation import generate
 from gspo_lab.rollout.logprobs import token_logprobs
-from gspo_lab.rollout.packing import packs_exactly
+from gspo_lab.rollout.packing import MIN_SAVING, packs_exactly
 from gspo_lab.routing.adapters import ADAPTERS, expert_input_dim
 from gspo_lab.routing.hooks import router_hooks
 
@@ -179,7 +179,8 @@ class RolloutEngine:
                 logp, _ = token_logprobs(self.model, input_ids[rows:rows + SCORE_ROWS].to(device),
                                          attention_mask[rows:rows + SCORE_ROWS].to(device),
                                          completions.completion_ids.shape[1], temperature,
-                                         chunk_tokens=SCORE_CHUNK_TOKENS, packed=self.packs)
+                                         chunk_tokens=SCORE_CHUNK_TOKENS, packed=self.packs,
+                                         pack_min_saving=MIN_SAVING)
                 parts.append(logp.float())
         return torch.cat(parts) * completions.completion_mask.to(device)
 

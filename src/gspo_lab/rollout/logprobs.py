@@ -189,6 +189,7 @@ def token_logprobs(
     chunk_tokens: int | None = None,
     entropy_grad: bool = False,
     packed: bool = False,
+    pack_min_saving: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """log π(y_t | x, y_<t) and the policy entropy at each of the last `completion_len` positions: log_softmax of
     the model's own logits / temperature, in whatever mode the model is in (RLModule keeps it in eval mode).
@@ -201,8 +202,9 @@ def token_logprobs(
     it twice). `chunk_tokens` bounds the (row, token) positions of one chunk's logits (None: whole rows); a chunk
     that fits in it is the one a row-only chunking computes, so values are the same bit for bit, and smaller
     chunks agree to float rounding. `packed`: the decoder runs on the rows' real tokens only, in bins
-    (gspo_lab.rollout.packing; train.padding_free): the same values to float rounding, 0 where the batch pads; with
-    `share_prompts` the shared forward runs instead where it computes fewer tokens.
+    (gspo_lab.rollout.packing; train.padding_free): the same values to float rounding, 0 where the batch pads; padded
+    where the bins save less than `pack_min_saving` of the tokens; with `share_prompts` the shared forward runs
+    instead where it computes fewer tokens.
     """
     decoder = decoder_of(model)
     head = model.get_output_embeddings()
@@ -211,8 +213,9 @@ def token_logprobs(
     if share_prompts and not is_checkpointed(model):
         packed_tokens = int(attention_mask.sum()) if packed else None  # what the packed forward would run
         hidden = shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len, packed_tokens)
-    if hidden is None and packed:
-        hidden, (rows, columns) = packed_hidden(decoder, pack(input_ids, attention_mask), completion_len)  # [M, H]
+    packing = pack(input_ids, attention_mask, pack_min_saving) if hidden is None and packed else None
+    if packing is not None:
+        hidden, (rows, columns) = packed_hidden(decoder, packing, completion_len)  # [M, H]
         targets = input_ids[rows, columns + input_ids.shape[1] - completion_len]  # [M]
         width = chunk_tokens or chunk_rows * completion_len  # a padded chunk's positions at most
         logp, entropy = _chunked(hidden[None], targets[None], (head, transform, temperature, entropy_grad), 1, width)

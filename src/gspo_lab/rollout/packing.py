@@ -85,14 +85,19 @@ class Packing:
         return out.view(*self.input_ids.shape, *batch.shape[2:])
 
 
-def pack(input_ids: Tensor, attention_mask: Tensor) -> Packing:
+MIN_SAVING = 0.1  # the default share of a padded batch's tokens the bins must save (train.pack_min_saving)
+
+
+def pack(input_ids: Tensor, attention_mask: Tensor, min_saving: float = 0.0) -> Packing | None:
     """The real tokens of a [B, L] batch in bins as wide as its longest row (`first_fit_decreasing`). A row's
-    tokens keep their order and get positions 0..len-1, as `position_ids` gives them in the padded batch."""
+    tokens keep their order and get positions 0..len-1, as `position_ids` gives them in the padded batch. None
+    where the bins would hold more than (1 - min_saving) of the batch's B x L tokens."""
     real = attention_mask.bool()
-    lengths = real.sum(1)
-    host_lengths = lengths.tolist()  # one copy to the host per forward
+    host_lengths = real.sum(1).tolist()  # one copy to the host per forward
     width = max(1, max(host_lengths))
     bins = first_fit_decreasing(host_lengths, width)
+    if len(bins) * width > (1 - min_saving) * input_ids.numel():
+        return None
     start = [0] * len(host_lengths)  # each row's first flat index in the bins
     for index, rows in enumerate(bins):
         offset = index * width

@@ -27,7 +27,7 @@ from gspo_lab.config import RolloutConfig
 from gspo_lab.rollout.backend import RunSettings, Sampling
 from gspo_lab.rollout.completions import Generated, cut_at_stop, stop_ids
 from gspo_lab.rollout.logprobs import token_logprobs
-from gspo_lab.rollout.packing import packs_exactly
+from gspo_lab.rollout.packing import MIN_SAVING, packs_exactly
 from gspo_lab.tasks.jsonl import json_lines
 
 SETTINGS = ("path",)  # rollout.options.*
@@ -105,7 +105,8 @@ class ReplayBackend:
                 completions.logprobs = token_logprobs(
                     self.model, torch.cat([completions.prompt_ids, completions.completion_ids], 1),
                     torch.cat([completions.prompt_mask, completions.completion_mask], 1), width,
-                    sampling.temperature, packed=self.packs)[0] * completions.completion_mask
+                    sampling.temperature, packed=self.packs,
+                    pack_min_saving=MIN_SAVING)[0] * completions.completion_mask
         return Generated(completions)
 
     def completion(self, prompt: str | None, index: int) -> str:

@@ -43,6 +43,7 @@ class PolicyForwards:
             self.model if model is None else model, batch.input_ids, batch.attention_mask, batch.completion_len,
             self.temperature, self.train_cfg.logprob_chunk_rows, share_prompts=share,
             chunk_tokens=self.train_cfg.logprob_chunk_tokens, entropy_grad=entropy_grad, packed=self.packed,
+            pack_min_saving=self.train_cfg.pack_min_saving,
         )
 
     def shared_logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
