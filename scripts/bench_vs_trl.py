@@ -35,8 +35,8 @@ train.micro_batch_size rows (log-probs train.logprob_chunk_tokens positions at a
 per_device_train_batch_size = the same rows with gradient_accumulation_steps to the mini-batch.
 `--padded` adds a gspo-lab run with train.padding_free=false to each round (padded forwards against packed ones,
 gspo_lab.rollout.packing; the floor follows the workload's train.padding_free). `--workload bench_varlen` answers
-of 10 to 400 tokens replayed from a file (conf/experiment/bench_varlen.yaml): gspo-lab's runs only, as the floor
-and TRL generate their own completions.
+of 10 to 400 tokens replayed from a file (conf/experiment/bench_varlen.yaml): no TRL, which always generates; the
+floor's "decoding" is the replay backend's one no-grad forward of the recorded tokens.
 `--paired` times gspo-lab against its floor alone, their steps alternated one by one in one process per round
 (`time_paired`): this CPU's speed moves 20-40% between runs a minute apart, which separate processes cannot tell
 from a difference between the sides; the paired ratio can.
@@ -77,7 +77,9 @@ from transformers import DynamicCache, TrainerCallback
 from gspo_lab import CONFIG_DIR
 from gspo_lab.decoder import CACHE
 from gspo_lab.rollout.generation import generate, position_ids, prefill_distinct_prompts
+from gspo_lab.rollout.backend import Sampling
 from gspo_lab.rollout.logprobs import token_logprobs
+from gspo_lab.rollout.packing import MIN_SAVING
 from gspo_lab.routing import is_moe
 from gspo_lab.tasks.base import Example
 from gspo_lab.train import build
@@ -151,8 +153,13 @@ def floor_step(workload: str, steps: int, shared: list[str]) -> Callable[[], tup
     model, rollout, train_cfg = module.model.to(run.trainer.strategy.root_device), cfg.rollout, cfg.train
     prompts = [e.prompt for e in module.task.examples("train", rollout.prompts_per_step, seed=0)
                for _ in range(rollout.group_size)]
+    replayed = rollout.backend == "replay"  # bench_varlen: recorded completions, scored in one no-grad forward
     with run.trainer.precision_plugin.train_step_context():  # bf16 autocast under bf16-mixed, as in the RL step
-        done = generate(model, module.tokenizer, prompts, rollout.max_new_tokens, suppress_eos=True)
+        if replayed:
+            sampling = Sampling.of_rollout(module.rollout_cfg, module.render.add_special_tokens)
+            done = module.engine.generate(module.tokenizer, prompts, sampling).completions
+        else:
+            done = generate(model, module.tokenizer, prompts, rollout.max_new_tokens, suppress_eos=True)
     ids = torch.cat([done.prompt_ids, done.completion_ids], 1)
     mask = torch.cat([done.prompt_mask, done.completion_mask], 1)
     prompt_len, new_tokens = done.prompt_ids.shape[1], done.completion_ids.shape[1]
@@ -162,6 +169,10 @@ def floor_step(workload: str, steps: int, shared: list[str]) -> Callable[[], tup
 
     @torch.inference_mode()
     def decode() -> None:
+        if replayed:  # what the replay backend computes: the log-probs of the recorded tokens
+            token_logprobs(model, ids, mask, new_tokens, rollout.temperature, packed=module.policy.packed,
+                           pack_min_saving=MIN_SAVING)
+            return
         shared = rollout.share_prompt_prefill
         cache = prefill_distinct_prompts(model, done.prompt_ids, done.prompt_mask) if shared else None
         floor_decode(model, ids, mask, positions, prompt_len, new_tokens, cache)
@@ -355,10 +366,10 @@ def sides_of(workload: str, padded: bool, lab_only: bool = False) -> list[str]:
     if lab_only:
         return lab
     if cfg.rollout.backend == "replay":
-        print(f"{workload} replays recorded completions (rollout.backend=replay), which the floor (it generates) and "
-              "TRL's GRPOTrainer (it always generates; TRL 1.16's GRPOConfig has no padding_free) cannot: gspo-lab "
-              "only", flush=True)
-        return lab
+        print(f"{workload} replays recorded completions (rollout.backend=replay), which TRL's GRPOTrainer cannot (it "
+              "always generates; TRL 1.16's GRPOConfig has no padding_free): gspo-lab and its floor (which scores "
+              "the recorded completions as the replay backend does) only", flush=True)
+        return [*lab, "floor"]
     if importlib.util.find_spec("trl") is None:
         print("TRL is not installed (pip install -e '.[bench]'): gspo-lab and its floor only", flush=True)
         return [*lab, "floor"]
