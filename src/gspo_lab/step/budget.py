@@ -75,7 +75,7 @@ def split_to(groups: list[list[int]], lengths: list[int], count: int) -> list[Pa
 
 
 def micro_batch_parts(attention_mask: torch.Tensor, size: int | None, budget: int | None,
-                  agree: Callable[[int], int] | None = None) -> list[Part]:
+                      agree: Callable[[int], int] | None = None) -> list[Part]:
     """The rows of a batch with this [B, L] mask as micro-batches: of `size` rows, or of at most `budget` real
     tokens, or all at once; `agree(count)` -> the largest count over the ranks (None: one rank)."""
     rows = attention_mask.shape[0]

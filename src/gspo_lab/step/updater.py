@@ -1,8 +1,9 @@
 """The update half of an RL step, `Updater.update`: `train.minibatches` shuffled mini-batches, each accumulated over
 micro-batches of train.micro_batch_size rows or train.micro_batch_tokens tokens (gspo_lab.step.budget; one gradient
 all-reduce per mini-batch under DDP), then one optimizer step with gradient clipping, or a skip when the loss or the
-gradient is non-finite. The updater owns the state that changes with updates: the entropy bonus's coefficient (adaptive with objective.entropy_target) and the count
-of consecutive skipped updates, saved in checkpoints (`state_dict`).
+gradient is non-finite. The updater owns the state that changes with updates: the entropy bonus's coefficient
+(adaptive with objective.entropy_target) and the count of consecutive skipped updates, saved in checkpoints
+(`state_dict`).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class Updater:
         (on every rank). Under DDP only the last micro-batch's backward all-reduces (`gradient_sync`). `before`
         keeps the forwards' log-probs and experts."""
         parts = micro_batch_parts(minibatch.attention_mask, self.train_cfg.micro_batch_size,
-                              self.train_cfg.micro_batch_tokens, ranks.agree)
+                                  self.train_cfg.micro_batch_tokens, ranks.agree)
         split = len(parts) > 1
         total = micro_batches.denominator(self.objective, minibatch.loss_mask).clamp(min=1) if split else None
         tokens = minibatch.loss_mask.sum().clamp(min=1) if split else None  # the entropy bonus's count
