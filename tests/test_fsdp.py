@@ -61,6 +61,23 @@ def test_fsdp_two_processes_train_the_same_policy_as_ddp(rl_overrides, tmp_path)
 
 
 @pytest.mark.slow
+def test_fsdp_packed_micro_batches_of_a_token_budget_update_as_ddp_padded_whole_batches(rl_overrides, tmp_path):
+    """FSDP2 all-gathers the weights in every forward, so its ranks must run as many micro-batches each: with packed
+    forwards in micro-batches of 26 tokens the ranks' own counts differ (tests/test_micro_batch_training.py), they
+    agree on the larger, and the first step's update is DDP's with padded whole mini-batches."""
+    overrides = [o for o in rl_overrides if not o.startswith("paths.output_dir")] + ["train.eval_every=0",
+                                                                                     "train.steps=1"]
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    run_two_processes(overrides + ["train.padding_free=false"], ["trainer=ddp"], ddp)
+    run_two_processes(overrides + ["train.micro_batch_tokens=26", "train.pack_min_saving=0"],
+                      ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.precision=32-true"], fsdp)
+    ddp_row, fsdp_row = rows(ddp)[0], rows(fsdp)[0]
+    assert float(fsdp_row["train/micro_batches"]) > 1 and float(ddp_row["grad_norm"]) > 0
+    for key in ("grad_norm", "kl/old", "clip/frac", "loss/policy", "entropy"):
+        assert abs(float(fsdp_row[key]) - float(ddp_row[key])) <= 1e-4 * max(1.0, abs(float(ddp_row[key]))), key
+
+
+@pytest.mark.slow
 def test_fsdp_ranks_decode_together_when_their_completions_end_at_different_steps(rl_overrides, tmp_path):
     """Each decode step gathers the sharded weights from every rank, so a rank whose completions have all ended
     keeps stepping until the other's have (generate's synced_gpus): before 2026-11-22 the two ranks deadlocked
