@@ -124,8 +124,8 @@ class RLModule(L.LightningModule):
         # rollout.rescore's second engine scores the samples beside the engine
         rescorer = build_rescorer(model, rollout, self.engine)
         for engine in (self.engine, getattr(rescorer, "engine", None)):  # the hf and replay backends' scoring
-            if hasattr(engine, "packs") and not train.padding_free:
-                engine.packs = False  # padded as training's forwards (else probed at its first forward)
+            if hasattr(engine, "padding_free"):
+                engine.padding_free = train.padding_free  # packed or padded as training's forwards
         in_process = InProcess(self.engine, rows, Sampling.of_rollout(rollout, self.render.add_special_tokens),
                                rollout.generation_batch_size, self.routing, agent, rescorer)
         self.source = build_source(model, rollout, in_process, rows, seed)

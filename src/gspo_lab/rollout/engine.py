@@ -88,7 +88,7 @@ class RolloutEngine:
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.trainer_model, self.config = model, rollout.engine
         self.copy, self.quantised = None, {}  # quantised: parameter name -> input dimension (quantised_weights)
-        self.packs: bool | None = None  # padding-free scoring: None probes at its first; False: padded
+        self.padding_free = True  # scoring packed where the model packs exactly (train.padding_free)
         if self.config.copies_weights or rollout.max_staleness > 0:
             self.copy = copy.deepcopy(model).requires_grad_(False).eval()
             for parameter in self.copy.parameters():  # weights only: buffers (rotary frequencies) stay as they are
@@ -168,19 +168,17 @@ class RolloutEngine:
         rows at a time, the logits of at most SCORE_CHUNK_TOKENS positions alive at once (gspo_lab.rollout.logprobs;
         a 152k vocabulary in float32: 5 GB), padding-free where the architecture keeps packed rows apart
         (gspo_lab.rollout.packing)."""
-        if self.packs is None:
-            self.packs = packs_exactly(self.model)
         input_ids = torch.cat([completions.prompt_ids, completions.completion_ids], 1)  # [N, P + C]
         attention_mask = torch.cat([completions.prompt_mask, completions.completion_mask], 1)
         device = next(self.model.parameters()).device
+        packed = self.padding_free and packs_exactly(self.model)  # probed outside router noise (`generating`)
         parts = []
         with self.generating():
             for rows in range(0, len(input_ids), SCORE_ROWS):
                 logp, _ = token_logprobs(self.model, input_ids[rows:rows + SCORE_ROWS].to(device),
                                          attention_mask[rows:rows + SCORE_ROWS].to(device),
                                          completions.completion_ids.shape[1], temperature,
-                                         chunk_tokens=SCORE_CHUNK_TOKENS, packed=self.packs,
-                                         pack_min_saving=MIN_SAVING)
+                                         chunk_tokens=SCORE_CHUNK_TOKENS, packed=packed, pack_min_saving=MIN_SAVING)
                 parts.append(logp.float())
         return torch.cat(parts) * completions.completion_mask.to(device)
 

@@ -23,6 +23,7 @@ carries a recurrent state from one row into the next; gpt-oss's sliding-window l
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -138,14 +139,24 @@ def packed_hidden(decoder: torch.nn.Module, packing: Packing, completion_len: in
     return hidden.reshape(-1, hidden.shape[-1])[predictors], (rows, columns)  # [M, H]
 
 
+_PROBED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()  # model -> packs_exactly
+
+
 def packs_exactly(model: torch.nn.Module) -> bool:
     """Whether packed forwards of `model` give its padded forward's hidden states, to float rounding: one tiny
-    no-grad probe of three rows (two of them share a bin) in eval mode. False, with a warning naming the
-    architecture and the difference, where rows see each other (linear attention's recurrent state; gpt-oss's
-    sliding-window layers). A model on the meta device is not probed (True)."""
-    parameter = next(model.parameters())
-    if parameter.is_meta:
+    no-grad probe of three rows (two of them share a bin) in eval mode, once per model object (the answer is its
+    architecture's, so the trainer's forwards and a backend scoring on the same model share it). False, with a
+    warning naming the architecture and the difference, where rows see each other (linear attention's recurrent
+    state; gpt-oss's sliding-window layers). A model on the meta device is not probed (True)."""
+    if next(model.parameters()).is_meta:
         return True
+    if model not in _PROBED:
+        _PROBED[model] = _probe(model)
+    return _PROBED[model]
+
+
+def _probe(model: torch.nn.Module) -> bool:
+    parameter = next(model.parameters())
     decoder = decoder_of(model)
     vocab = model.get_input_embeddings().num_embeddings
     input_ids = (torch.arange(24, device=parameter.device).view(3, 8) * (vocab // 24 + 1) + 1) % vocab  # [3, 8]

@@ -47,7 +47,7 @@ class ReplayBackend:
     def __init__(self, model: torch.nn.Module, rollout: RolloutConfig) -> None:
         self.model = model
         self.recorded = load_recorded(recording(rollout.options))
-        self.packs: bool | None = None  # padding-free log-probs: None probes at first use; False: padded
+        self.padding_free = True  # log-probs packed where the model packs exactly (train.padding_free)
 
     @classmethod
     def check(cls, run: RunSettings) -> None:
@@ -99,13 +99,11 @@ class ReplayBackend:
         completions = cut_at_stop(tokenizer, encoded["input_ids"], encoded["attention_mask"], ids,
                                   [] if sampling.suppress_eos else stop, generated=written)
         if sampling.logprobs:
-            if self.packs is None:
-                self.packs = packs_exactly(self.model)
             with torch.no_grad():
                 completions.logprobs = token_logprobs(
                     self.model, torch.cat([completions.prompt_ids, completions.completion_ids], 1),
                     torch.cat([completions.prompt_mask, completions.completion_mask], 1), width,
-                    sampling.temperature, packed=self.packs,
+                    sampling.temperature, packed=self.padding_free and packs_exactly(self.model),
                     pack_min_saving=MIN_SAVING)[0] * completions.completion_mask
         return Generated(completions)
 

@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from gspo_lab.tensors import micro_slices
+
 
 @dataclass(frozen=True)
 class Part:
@@ -80,8 +82,7 @@ def micro_batch_parts(attention_mask: torch.Tensor, size: int | None, budget: in
     tokens, or all at once; `agree(count)` -> the largest count over the ranks (None: one rank)."""
     rows = attention_mask.shape[0]
     if budget is None:
-        size = size or max(rows, 1)
-        groups = [list(range(start, min(start + size, rows))) for start in range(0, rows, size)] or [[]]
+        groups = [list(range(s.start, s.stop)) for s in micro_slices(rows, size)]
         lengths = [1] * rows
     else:
         lengths = attention_mask.sum(1).tolist()  # one copy to the host per batch
